@@ -1,0 +1,88 @@
+"""The ``foak`` command line: ``foak info`` and ``foak verify --ops`` (training and benchmarks come later)."""
+
+from __future__ import annotations
+
+import argparse
+import platform
+import sys
+
+import torch
+
+
+def _cmd_info(args) -> int:
+    import triton
+
+    import foak
+    from foak.backend import describe, get_backend, interpreter_enabled
+
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    print(f"foak        {foak.__version__}")
+    print(f"python      {platform.python_version()}")
+    print(f"torch       {torch.__version__}")
+    print(f"triton      {triton.__version__}")
+    gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "none"
+    print(f"gpu         {gpu}")
+    print(f"interpreter {'on (TRITON_INTERPRET=1)' if interpreter_enabled() else 'off'}")
+    print(f"backend     {get_backend()} -> ops on {device} run on: {describe(device)}")
+    if describe(device) == "reference":
+        print("            (Triton kernels need a CUDA GPU, or TRITON_INTERPRET=1 to run them slowly on CPU)")
+    return 0
+
+
+def _format_table(rows: list[dict]) -> str:
+    header = ("op", "case", "dtype", "worst output/grad", "rel. error", "tolerance", "result")
+    body = [
+        (r["op"], r["case"], r["dtype"], r["worst"], f"{r['error']:.2e}", f"{r['tolerance']:.0e}",
+         "PASS" if r["passed"] else "FAIL")
+        for r in rows
+    ]
+    widths = [max(len(str(line[i])) for line in [header, *body]) for i in range(len(header))]
+
+    def fmt(line):
+        return "| " + " | ".join(str(c).ljust(w) for c, w in zip(line, widths)) + " |"
+
+    sep = "|" + "|".join("-" * (w + 2) for w in widths) + "|"
+    return "\n".join([fmt(header), sep, *map(fmt, body)])
+
+
+def _cmd_verify(args) -> int:
+    from foak.backend import describe
+    from foak.testing import run_self_check
+
+    if not args.ops:
+        print("foak verify: only --ops (the per-op kernel self-check) exists so far; model verification "
+              "arrives with the patcher.", file=sys.stderr)
+        return 2
+    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    backend = describe(device)
+    print(f"foak verify --ops on {device} (backend: {backend}); every op forward and backward vs its "
+          "torch reference (relative error vs fp32)")
+    if backend == "reference":
+        print("note: no GPU and no TRITON_INTERPRET=1, so the reference is compared with itself; "
+              "set TRITON_INTERPRET=1 to check the Triton kernels on CPU")
+    rows = run_self_check(device)
+    print(_format_table(rows))
+    failed = sum(not r["passed"] for r in rows)
+    print(f"self-check: {len(rows) - failed} of {len(rows)} cases within tolerance")
+    return 1 if failed else 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="foak", description="Fused Operations And Kernels for LLM fine-tuning")
+    sub = parser.add_subparsers(dest="command", required=True)
+    info = sub.add_parser("info", help="versions, GPU and which backend the ops use")
+    info.set_defaults(func=_cmd_info)
+    verify = sub.add_parser("verify", help="check numerics against the torch references")
+    verify.add_argument("--ops", action="store_true", help="run every kernel against its reference")
+    verify.add_argument("--device", default=None, help="cuda or cpu (default: cuda if available)")
+    verify.set_defaults(func=_cmd_verify)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

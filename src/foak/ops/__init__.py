@@ -1,0 +1,19 @@
+"""foak's fused ops. Each module holds one op: its torch reference, Triton kernels, launchers,
+autograd/custom-op glue and the public function. No transformers import anywhere below this package."""
+
+from foak.ops.activations import geglu, geglu_reference, glu, glu_reference, swiglu, swiglu_reference
+from foak.ops.rms_norm import rms_norm, rms_norm_reference
+from foak.ops.rope import rope, rope_reference
+
+__all__ = [
+    "geglu",
+    "geglu_reference",
+    "glu",
+    "glu_reference",
+    "rms_norm",
+    "rms_norm_reference",
+    "rope",
+    "rope_reference",
+    "swiglu",
+    "swiglu_reference",
+]

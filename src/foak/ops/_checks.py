@@ -1,0 +1,42 @@
+"""Input validation shared by the ops: every failure is a ValueError saying what was expected."""
+
+from __future__ import annotations
+
+import torch
+
+FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def check_float_tensor(op: str, name: str, t: object, dtypes=FLOAT_DTYPES) -> None:
+    if not isinstance(t, torch.Tensor):
+        raise ValueError(f"{op}: {name} must be a torch.Tensor, got {type(t).__name__}")
+    if t.dtype not in dtypes:
+        names = ", ".join(str(d).removeprefix("torch.") for d in dtypes)
+        raise ValueError(f"{op}: {name} has dtype {t.dtype}; expected one of {names}")
+
+
+def check_same_device(op: str, **tensors: torch.Tensor) -> None:
+    devices = {name: t.device for name, t in tensors.items() if t is not None}
+    if len(set(devices.values())) > 1:
+        listing = ", ".join(f"{n} on {d}" for n, d in devices.items())
+        raise ValueError(f"{op}: all tensors must be on one device; got {listing}")
+
+
+def check_same_dtype(op: str, **tensors: torch.Tensor) -> None:
+    dtypes = {name: t.dtype for name, t in tensors.items() if t is not None}
+    if len(set(dtypes.values())) > 1:
+        listing = ", ".join(f"{n}={d}" for n, d in dtypes.items())
+        raise ValueError(f"{op}: tensors must share one dtype; got {listing}")
+
+
+def check_shape(op: str, name: str, t: torch.Tensor, expected: tuple, what: str) -> None:
+    if tuple(t.shape) != tuple(expected):
+        raise ValueError(f"{op}: {name} has shape {tuple(t.shape)}; expected {tuple(expected)} ({what})")
+
+
+def rows_view(t: torch.Tensor, n_cols: int) -> torch.Tensor:
+    """A 2-D [rows, n_cols] view with unit column stride and one row stride (copying only if needed)."""
+    t2 = t.reshape(-1, n_cols) if t.dim() != 2 else t
+    if t2.stride(-1) != 1 or (t2.shape[0] > 1 and t2.stride(0) < n_cols):
+        t2 = t2.contiguous()
+    return t2

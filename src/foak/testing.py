@@ -1,0 +1,181 @@
+"""Numerical checks of foak's ops against their torch references.
+
+Used by the test-suite, by ``foak verify --ops`` and by the GPU benchmark. A case runs an op forward
+and backward on random inputs in one dtype and its reference on fp32 copies of the same (rounded)
+values, and reports the relative error ``||out - ref|| / ||ref||`` of every output and gradient.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from foak.ops.activations import glu, glu_reference
+from foak.ops.rms_norm import rms_norm, rms_norm_reference
+from foak.ops.rope import rope, rope_reference
+
+# Relative-error budgets against an fp32 reference.
+TOLERANCE = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1e-2}
+
+
+def relative_error(out: torch.Tensor, ref: torch.Tensor) -> float:
+    """||out - ref|| / ||ref|| in float64; inf if ``out`` holds a NaN/inf that ``ref`` does not."""
+    out, ref = out.detach().double(), ref.detach().double()
+    if out.shape != ref.shape:
+        raise ValueError(f"shape mismatch: {tuple(out.shape)} vs reference {tuple(ref.shape)}")
+    if not torch.isfinite(out).all() and torch.isfinite(ref).all():
+        return math.inf
+    diff = (out - ref).norm().item()
+    scale = ref.norm().item()
+    return diff / scale if scale > 0 else diff
+
+
+def _as_tuple(x):
+    return tuple(x) if isinstance(x, (tuple, list)) else (x,)
+
+
+@dataclass
+class Case:
+    """One op call: ``make(dtype, device, generator)`` returns (kwargs, names of kwargs to differentiate)."""
+
+    op: str
+    name: str
+    fn: Callable
+    reference: Callable
+    make: Callable
+    dtypes: tuple = (torch.float32, torch.bfloat16)
+    extra: dict = field(default_factory=dict)
+
+    def run(self, dtype: torch.dtype, device="cpu", seed: int = 0) -> dict[str, float]:
+        """Relative errors of each output (``out0``…) and each gradient (``grad_<name>``)."""
+        gen = torch.Generator(device="cpu").manual_seed(seed)
+        kwargs, grad_names = self.make(dtype, torch.device(device), gen)
+        leaves = {k: _leaf(v, k in grad_names) for k, v in kwargs.items()}
+        ref_leaves = {k: _leaf(_upcast(v), k in grad_names) for k, v in kwargs.items()}
+        outs = _as_tuple(self.fn(**leaves))
+        refs = _as_tuple(self.reference(**ref_leaves))
+        errors = {f"out{i}": relative_error(o, r) for i, (o, r) in enumerate(zip(outs, refs))}
+        if grad_names:
+            upstream = [torch.randn(o.shape, generator=gen).to(device=o.device, dtype=o.dtype) for o in outs]
+            wrt = [leaves[n] for n in grad_names]
+            grads = torch.autograd.grad(outs, wrt, upstream)
+            ref_grads = torch.autograd.grad(refs, [ref_leaves[n] for n in grad_names], [u.float() for u in upstream])
+            for n, g, rg in zip(grad_names, grads, ref_grads):
+                errors[f"grad_{n}"] = relative_error(g, rg)
+        return errors
+
+
+def _upcast(v):
+    if isinstance(v, torch.Tensor) and v.is_floating_point():
+        return v.float()
+    return v
+
+
+def _leaf(v, requires_grad: bool):
+    if isinstance(v, torch.Tensor):
+        return v.detach().clone().requires_grad_(requires_grad)
+    return v
+
+
+def _randn(shape, dtype, device, gen, scale=1.0):
+    return (torch.randn(shape, generator=gen) * scale).to(device=device, dtype=dtype)
+
+
+# ---- cases ---------------------------------------------------------------------------------------
+def rms_norm_case(shape, mode="llama", residual=False, name=None) -> Case:
+    def make(dtype, device, gen):
+        kw = {"x": _randn(shape, dtype, device, gen), "weight": _randn(shape[-1], dtype, device, gen, 0.5) + 1}
+        if residual:
+            kw["residual"] = _randn(shape, dtype, device, gen)
+        return kw, tuple(kw)
+
+    def call(fn):
+        return lambda x, weight, residual=None: fn(x, weight, 1e-6, mode, residual)
+
+    label = name or f"{mode}{'+residual' if residual else ''} {list(shape)}"
+    return Case("rms_norm", label, call(rms_norm), call(rms_norm_reference), make)
+
+
+def rope_case(batch, q_heads, k_heads, seq, head_dim, rotary_dim=None, cos_batch=1, packed=False,
+              hf_layout=True, name=None) -> Case:
+    rot = rotary_dim or head_dim
+
+    def make(dtype, device, gen):
+        def qk(heads):
+            if hf_layout:  # [B, S, H, D] storage seen as [B, H, S, D], as HF's attention makes it
+                return _randn((batch, seq, heads, head_dim), dtype, device, gen).transpose(1, 2)
+            return _randn((batch, heads, seq, head_dim), dtype, device, gen)
+
+        kw = {"q": qk(q_heads), "k": qk(k_heads)}
+        if packed:
+            table = 2 * seq
+            pos = torch.cat([torch.arange(n) for n in _packed_lengths(seq)])
+            kw["position_ids"] = pos.expand(batch, seq).contiguous().to(device)
+            angles = torch.rand((table, rot // 2), generator=gen) * 6.3
+        else:
+            angles = torch.rand((cos_batch, seq, rot // 2), generator=gen) * 6.3
+        angles = torch.cat((angles, angles), dim=-1)
+        kw["cos"], kw["sin"] = angles.cos().to(device, dtype), angles.sin().to(device, dtype)
+        return kw, ("q", "k")
+
+    label = name or (f"q{[batch, q_heads, seq, head_dim]} kv_heads={k_heads} rot={rot}"
+                     f"{' packed' if packed else ''}{' cos_batch=B' if cos_batch > 1 else ''}")
+    return Case("rope", label, rope, rope_reference, make)
+
+
+def _packed_lengths(seq: int) -> list[int]:
+    """Split ``seq`` into sequences of lengths 5, 7, 5, 7, ... (positions restart at each)."""
+    lengths, left, i = [], seq, 0
+    while left > 0:
+        n = min(left, 5 if i % 2 == 0 else 7)
+        lengths.append(n)
+        left -= n
+        i += 1
+    return lengths
+
+
+def glu_case(shape, activation="silu", chunked=False, name=None) -> Case:
+    def make(dtype, device, gen):
+        return {"g": _randn(shape, dtype, device, gen, 2.0), "u": _randn(shape, dtype, device, gen)}, ("g", "u")
+
+    def call(fn):
+        if not chunked:
+            return lambda g, u: fn(g, u, activation)
+        # g, u as strided halves of one intermediate tensor (a fused gate_up projection)
+        return lambda g, u: fn(*torch.cat((g, u), dim=-1).chunk(2, dim=-1), activation)
+
+    label = name or f"{activation} {list(shape)}{' chunked' if chunked else ''}"
+    return Case("glu", label, call(glu), call(glu_reference), make)
+
+
+def self_check_cases() -> list[Case]:
+    """Small odd-shaped cases covering every op and variant (used by ``foak verify --ops``)."""
+    return [
+        rms_norm_case((37, 129)),
+        rms_norm_case((3, 5, 257), mode="gemma"),
+        rms_norm_case((7, 129), residual=True),
+        rope_case(2, 5, 3, 7, 16),
+        rope_case(2, 4, 2, 13, 16, rotary_dim=12, packed=True),
+        glu_case((37, 129), "silu"),
+        glu_case((5, 67), "gelu"),
+        glu_case((5, 67), "gelu_tanh", chunked=True),
+    ]
+
+
+def run_self_check(device="cpu", dtypes=(torch.float32, torch.bfloat16)) -> list[dict]:
+    """Run every self-check case; one row per (case, dtype) with its worst error and pass/fail."""
+    rows = []
+    for case in self_check_cases():
+        for dtype in dtypes:
+            errors = case.run(dtype, device)
+            worst_key = max(errors, key=errors.get)
+            tol = TOLERANCE[dtype]
+            rows.append({
+                "op": case.op, "case": case.name, "dtype": str(dtype).removeprefix("torch."),
+                "worst": worst_key, "error": errors[worst_key], "tolerance": tol,
+                "passed": all(e <= tol for e in errors.values()),
+            })
+    return rows
