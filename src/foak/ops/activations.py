@@ -181,7 +181,7 @@ class _GLUFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dh):
         g, u = ctx.saved_tensors
-        if ctx.inplace_backward and not torch.compiler.is_compiling():
+        if ctx.inplace_backward:
             torch.ops.foak.glu_backward_(dh, g, u, ctx.activation)
             return g, u, None, None
         dg, du = torch.ops.foak.glu_backward(dh, g, u, ctx.activation)
@@ -227,7 +227,13 @@ def glu(g: torch.Tensor, u: torch.Tensor, activation: str = "silu", inplace_back
         raise ValueError(f"{op}: g and u must have at least one dimension, got scalars")
     if not use_triton(g.device):
         return glu_reference(g, u, activation)
-    inplace = bool(inplace_backward) and torch.is_grad_enabled() and _can_overwrite(g, u)
+    # under torch.compile the compiler plans memory itself (and grad_fn cannot be inspected)
+    inplace = (
+        bool(inplace_backward)
+        and not torch.compiler.is_compiling()
+        and torch.is_grad_enabled()
+        and _can_overwrite(g, u)
+    )
     if inplace:
         # other saved uses of g or u now fail loudly in their backward instead of reading gradients
         torch.autograd.graph.increment_version(g)

@@ -1,0 +1,29 @@
+import os
+
+# Triton reads this when @triton.jit decorates a kernel, so it must be set before foak is imported.
+os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+from foak.backend import interpreter_enabled  # noqa: E402
+from foak.testing import TOLERANCE  # noqa: E402
+
+if interpreter_enabled():
+    import triton_interpreter_compat
+
+    triton_interpreter_compat.install()
+
+
+@pytest.fixture(autouse=True)
+def _seed():
+    torch.manual_seed(1234)
+
+
+def assert_case(case, dtype):
+    """Run a foak.testing.Case and assert every output and gradient is within the dtype's budget."""
+    errors = case.run(dtype)
+    tol = TOLERANCE[dtype]
+    bad = {k: v for k, v in errors.items() if not v <= tol}
+    assert not bad, f"{case.op} {case.name} {dtype}: errors over {tol}: {bad} (all: {errors})"
+    return errors

@@ -1,0 +1,121 @@
+import importlib
+
+import pytest
+import torch
+
+import foak
+from foak import backend
+from foak.cli import main
+from foak.ops.rms_norm import rms_norm_reference
+from foak.testing import relative_error
+
+
+@pytest.fixture
+def restore_backend():
+    yield
+    foak.set_backend("auto")
+
+
+def test_auto_uses_triton_under_the_interpreter():
+    assert backend.interpreter_enabled()
+    assert backend.describe(torch.device("cpu")) == "triton-interpreter"
+
+
+def test_reference_backend_runs_the_reference(restore_backend, monkeypatch):
+    calls = []
+    module = importlib.import_module("foak.ops.rms_norm")  # the package attribute is the function
+
+    monkeypatch.setattr(module, "_forward_launch", lambda *a: calls.append(a))
+    foak.set_backend("reference")
+    x, w = torch.randn(5, 17), torch.randn(17)
+    assert torch.equal(foak.rms_norm(x, w), rms_norm_reference(x, w))
+    assert calls == []  # no kernel launched
+
+
+def test_forced_triton_without_gpu_or_interpreter_is_an_error(restore_backend, monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    assert backend.describe(torch.device("cpu")) == "reference"
+    foak.set_backend("triton")
+    with pytest.raises(ValueError, match="needs a CUDA device or TRITON_INTERPRET=1"):
+        foak.rms_norm(torch.randn(3, 8), torch.randn(8))
+
+
+def test_unknown_backend_names_are_errors(monkeypatch):
+    with pytest.raises(ValueError, match="unknown foak backend 'cuda'"):
+        foak.set_backend("cuda")
+    monkeypatch.setenv("FOAK_BACKEND", "fast")
+    with pytest.raises(ValueError, match="FOAK_BACKEND='fast' is not valid"):
+        backend.get_backend()
+
+
+def _opcheck_cases():
+    x, w, r = torch.randn(5, 33), torch.randn(33), torch.randn(5, 33)
+    rstd = torch.randn(5).abs() + 0.5
+    q, k = torch.randn(2, 3, 7, 16), torch.randn(2, 1, 7, 16)
+    cos, sin = torch.rand(1, 7, 12), torch.rand(1, 7, 12)
+    g, u = torch.randn(6, 19), torch.randn(6, 19)
+    ops = torch.ops.foak
+    return [
+        (ops.rms_norm_forward, (x, w, None, 1e-6, "llama")),
+        (ops.rms_norm_forward, (x, w, r, 1e-6, "gemma")),
+        (ops.rms_norm_backward, (torch.randn(5, 33), x, w, rstd, None, "llama")),
+        (ops.rms_norm_backward, (torch.randn(5, 33), x, w, rstd, torch.randn(5, 33), "gemma")),
+        (ops.rope, (q, k, cos, sin, None, False)),
+        (ops.rope, (q, k, torch.rand(9, 12), torch.rand(9, 12), torch.tensor([[0, 1, 2, 0, 1, 2, 3]]), True)),
+        (ops.glu_forward, (g, u, "silu")),
+        (ops.glu_backward, (torch.randn(6, 19), g, u, "gelu")),
+        (ops.glu_backward_, (torch.randn(6, 19), g.clone(), u.clone(), "gelu_tanh")),
+    ]
+
+
+@pytest.mark.parametrize("op, args", _opcheck_cases(), ids=lambda v: str(v) if not isinstance(v, tuple) else "")
+def test_custom_ops_pass_opcheck(op, args):
+    # fake (meta) implementations, schemas and mutation declarations agree with the real kernels
+    torch.library.opcheck(op, args, test_utils=("test_schema", "test_faketensor", "test_aot_dispatch_static"))
+
+
+def test_torch_compile_fullgraph_traces_through_all_ops():
+    def block(x, w, r, q, k, cos, sin, g, u):
+        y, s = foak.rms_norm(x, w, residual=r)
+        q2, k2 = foak.rope(q, k, cos, sin)
+        h = foak.swiglu(g * y.sum(), u)
+        return y.sum() + s.square().sum() + q2.square().sum() + k2.sum() + h.sum()
+
+    inputs = [torch.randn(5, 33), torch.randn(33), torch.randn(5, 33), torch.randn(2, 3, 7, 16),
+              torch.randn(2, 1, 7, 16), torch.rand(1, 7, 16), torch.rand(1, 7, 16), torch.randn(4, 21),
+              torch.randn(4, 21)]
+    grad_idx = [0, 1, 2, 3, 4, 7, 8]
+
+    def run(fn):
+        leaves = [t.clone().requires_grad_(i in grad_idx) for i, t in enumerate(inputs)]
+        out = fn(*leaves)
+        grads = torch.autograd.grad(out, [leaves[i] for i in grad_idx])
+        return out, grads
+
+    torch._dynamo.reset()
+    compiled = torch.compile(block, fullgraph=True, backend="aot_eager")  # fullgraph: a graph break raises
+    out_c, grads_c = run(compiled)
+    out_e, grads_e = run(block)
+    assert relative_error(out_c, out_e) < 1e-6
+    for gc, ge in zip(grads_c, grads_e):
+        assert relative_error(gc, ge) < 1e-6
+
+
+def test_cli_verify_ops_passes_and_prints_a_table(capsys):
+    assert main(["verify", "--ops"]) == 0
+    out = capsys.readouterr().out
+    assert "backend: triton-interpreter" in out
+    for op in ("rms_norm", "rope", "glu"):
+        assert f"| {op}" in out
+    assert "FAIL" not in out and "self-check: 16 of 16 cases within tolerance" in out
+
+
+def test_cli_info(capsys):
+    assert main(["info"]) == 0
+    out = capsys.readouterr().out
+    assert "torch" in out and "triton-interpreter" in out
+
+
+def test_cli_verify_without_ops_says_what_exists(capsys):
+    assert main(["verify"]) == 2
+    assert "only --ops" in capsys.readouterr().err

@@ -1,0 +1,120 @@
+import pytest
+import torch
+from conftest import assert_case
+
+from foak.ops.rms_norm import rms_norm, rms_norm_reference
+from foak.testing import relative_error, rms_norm_case
+
+DTYPES = [torch.float32, torch.bfloat16]
+SHAPES = [(37, 129), (3, 5, 257), (2, 3, 7, 1000), (5, 20000)]  # the last takes the chunked (>16384) path
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("mode", ["llama", "gemma"])
+def test_matches_reference(shape, mode, dtype):
+    errors = assert_case(rms_norm_case(shape, mode=mode), dtype)
+    assert set(errors) == {"out0", "grad_x", "grad_weight"}
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", [(37, 129), (2, 9, 65), (3, 17000)])
+@pytest.mark.parametrize("mode", ["llama", "gemma"])
+def test_residual_matches_reference(shape, mode, dtype):
+    errors = assert_case(rms_norm_case(shape, mode=mode, residual=True), dtype)
+    assert set(errors) == {"out0", "out1", "grad_x", "grad_weight", "grad_residual"}
+
+
+def test_residual_sum_is_rounded_like_hf():
+    x = torch.randn(11, 33, dtype=torch.bfloat16)
+    r = torch.randn(11, 33, dtype=torch.bfloat16)
+    w = torch.randn(33, dtype=torch.bfloat16)
+    y, total = rms_norm(x, w, residual=r)
+    assert torch.equal(total, x + r)  # bf16 add, exactly as the HF decoder layer does
+    y_ref = rms_norm_reference(x + r, w)
+    assert relative_error(y, y_ref) < 4e-3
+
+
+def test_gemma_offset_is_one_plus_weight():
+    x = torch.randn(9, 47)
+    w = torch.zeros(47)  # gemma with w = 0 is a plain normalisation
+    y = rms_norm(x, w, eps=0.0, mode="gemma")
+    expected = x / x.pow(2).mean(-1, keepdim=True).sqrt()
+    assert relative_error(y, expected) < 1e-6
+
+
+def test_eps_is_used():
+    x = torch.full((3, 16), 1e-3) * torch.randn(3, 16).sign()
+    w = torch.ones(16)
+    y_small, y_big = rms_norm(x, w, eps=1e-12), rms_norm(x, w, eps=1.0)
+    assert relative_error(y_small, rms_norm_reference(x, w, 1e-12)) < 1e-6
+    assert relative_error(y_big, rms_norm_reference(x, w, 1.0)) < 1e-6
+    assert y_big.abs().max() < 0.01 < y_small.abs().min()
+
+
+def test_llama_mode_promotes_to_fp32_weight():
+    x = torch.randn(13, 65, dtype=torch.bfloat16)
+    w = torch.randn(65, dtype=torch.float32)
+    y = rms_norm(x, w)
+    ref = rms_norm_reference(x, w)
+    assert y.dtype == ref.dtype == torch.float32
+    assert relative_error(y, ref) < 1e-6
+
+
+@pytest.mark.parametrize("layout", ["sliced", "transposed"])
+def test_non_contiguous_input(layout):
+    base = torch.randn(21, 300) if layout == "sliced" else torch.randn(129, 21)
+    x = (base[:, :129] if layout == "sliced" else base.t()).requires_grad_()
+    assert not x.is_contiguous()
+    w = torch.randn(129, requires_grad=True)
+    dy = torch.randn(21, 129)
+    y = rms_norm(x, w)
+    gx, gw = torch.autograd.grad(y, (x, w), dy)
+    xr, wr = x.detach().clone().requires_grad_(), w.detach().clone().requires_grad_()
+    yr = rms_norm_reference(xr, wr)
+    gxr, gwr = torch.autograd.grad(yr, (xr, wr), dy)
+    assert relative_error(y, yr) < 1e-6
+    assert relative_error(gx, gxr) < 1e-5
+    assert relative_error(gw, gwr) < 1e-5
+
+
+def test_weight_grad_accumulates_over_all_rows():
+    # more rows than the backward has programs: each program's partial row must be summed
+    x = torch.randn(4, 50, 33, requires_grad=True)
+    w = torch.randn(33, requires_grad=True)
+    rms_norm(x, w).sum().backward()
+    xr, wr = x.detach().clone().requires_grad_(), w.detach().clone().requires_grad_()
+    rms_norm_reference(xr, wr).sum().backward()
+    assert relative_error(w.grad, wr.grad) < 1e-5
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        ({"weight": torch.randn(10)}, "weight must be 1-D with the hidden size"),
+        ({"weight": torch.randn(2, 16)}, "weight must be 1-D"),
+        ({"x": torch.randint(0, 5, (4, 16))}, "x has dtype torch.int64"),
+        ({"weight": torch.randn(16, dtype=torch.float64)}, "weight has dtype torch.float64"),
+        ({"residual": torch.randn(4, 15)}, "residual has shape"),
+        ({"residual": torch.randn(4, 16, dtype=torch.bfloat16)}, "tensors must share one dtype"),
+        ({"mode": "gema"}, "mode must be one of"),
+        ({"eps": -1.0}, "eps must be a non-negative"),
+        ({"weight": torch.randn(16, device="meta")}, "all tensors must be on one device"),
+        ({"x": torch.tensor(1.0)}, "non-empty last dimension"),
+        ({"x": torch.randn(1, 65537), "weight": torch.randn(65537)}, "exceeds the supported maximum 65536"),
+    ],
+)
+def test_bad_input(kwargs, message):
+    args = {"x": torch.randn(4, 16), "weight": torch.randn(16), "eps": 1e-6, "mode": "llama", "residual": None}
+    args.update(kwargs)
+    with pytest.raises(ValueError, match=message):
+        rms_norm(**args)
+
+
+def test_interpreter_compat_rounds_bf16_to_nearest_even():
+    # guards the test-only interpreter fix: kernels' bf16 stores must round like the GPU and torch
+    x = torch.randn(64, 129)
+    w = torch.ones(129)
+    y = rms_norm(x.to(torch.bfloat16), w.to(torch.bfloat16), eps=0.0, mode="gemma")  # no double rounding
+    exact = (x.to(torch.bfloat16).float() * torch.rsqrt(x.to(torch.bfloat16).float().pow(2).mean(-1, keepdim=True)) * 2)
+    assert torch.equal(y, exact.to(torch.bfloat16))
