@@ -9,8 +9,6 @@ instead of computing with overwritten values. Pass ``inplace_backward=False`` to
 
 from __future__ import annotations
 
-import math
-
 import torch
 import triton
 import triton.language as tl
@@ -20,9 +18,8 @@ from foak.ops._checks import check_float_tensor, check_same_device, check_same_d
 
 ACTIVATIONS = ("silu", "gelu", "gelu_tanh")
 _ACT_ID = {name: i for i, name in enumerate(ACTIVATIONS)}
-_SQRT_2_OVER_PI = math.sqrt(2.0 / math.pi)
-_INV_SQRT_2 = 1.0 / math.sqrt(2.0)
-_INV_SQRT_2PI = 1.0 / math.sqrt(2.0 * math.pi)
+# Launch knobs; benchmarks/ops.py sweeps them on the GPU.
+TUNING = {"block": 4096, "warps": None}
 
 
 # 1. reference -------------------------------------------------------------------------------------
@@ -107,8 +104,8 @@ def _glu_backward_kernel(
 
 # 3. launchers -------------------------------------------------------------------------------------
 def _grid(n_rows: int, n_cols: int) -> tuple[tuple[int, int], int, int]:
-    block = min(4096, triton.next_power_of_2(n_cols))
-    num_warps = 8 if block >= 2048 else 4
+    block = min(TUNING["block"], triton.next_power_of_2(n_cols))
+    num_warps = TUNING["warps"] or (8 if block >= 2048 else 4)
     return (n_rows, triton.cdiv(n_cols, block)), block, num_warps
 
 

@@ -24,6 +24,8 @@ MAX_HIDDEN = 65536
 # processed in chunks of _CHUNK columns with a second pass.
 _MAX_SINGLE_BLOCK = 16384
 _CHUNK = 4096
+# Launch knobs (None = heuristic); benchmarks/ops.py sweeps them on the GPU.
+TUNING = {"forward_warps": None, "backward_warps": None, "backward_programs_per_sm": 4}
 
 
 # 1. reference -------------------------------------------------------------------------------------
@@ -204,6 +206,7 @@ def _forward_launch(x, weight, residual, eps: float, mode: str):
     else:
         r2 = total = x2  # unused by the kernel (HAS_RESIDUAL=False)
     single, block, num_warps = _block_config(n_cols)
+    num_warps = TUNING["forward_warps"] or num_warps
     if n_rows > 0:
         _rms_norm_forward_kernel[(n_rows,)](
             x2, x2.stride(0), r2, r2.stride(0), total, total.stride(0), y, y.stride(0), weight, rstd,
@@ -220,7 +223,7 @@ def _forward_launch(x, weight, residual, eps: float, mode: str):
 def _num_programs(device: torch.device, n_rows: int) -> int:
     if device.type == "cuda":
         sms = torch.cuda.get_device_properties(device).multi_processor_count
-        return max(1, min(n_rows, 4 * sms))
+        return max(1, min(n_rows, TUNING["backward_programs_per_sm"] * sms))
     return max(1, min(n_rows, 8))  # the interpreter runs programs one by one
 
 
@@ -232,6 +235,7 @@ def _backward_launch(dy, x, weight, rstd, d_total, mode: str):
     dx = torch.empty((n_rows, n_cols), dtype=x.dtype, device=x.device)
     ds2 = rows_view(d_total, n_cols) if d_total is not None else dy2
     single, block, num_warps = _block_config(n_cols)
+    num_warps = TUNING["backward_warps"] or num_warps
     programs = _num_programs(x.device, n_rows)
     rows_per_program = triton.cdiv(max(n_rows, 1), programs)
     programs = triton.cdiv(max(n_rows, 1), rows_per_program)

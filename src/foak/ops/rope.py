@@ -24,6 +24,10 @@ from foak.backend import use_triton
 from foak.ops._checks import check_float_tensor, check_same_device, check_same_dtype
 
 
+# Launch knob (None = heuristic); benchmarks/ops.py sweeps it on the GPU.
+TUNING = {"warps": None}
+
+
 # 1. reference -------------------------------------------------------------------------------------
 def _gather(cos, sin, position_ids):
     if position_ids is None:
@@ -132,7 +136,7 @@ def _launch(q, k, cos, sin, position_ids, backward: bool):
     block_half = triton.next_power_of_2(half)
     block_pass = triton.next_power_of_2(head_dim - 2 * half) if head_dim > 2 * half else 0
     elems = (triton.next_power_of_2(n_q_heads) + triton.next_power_of_2(n_k_heads)) * block_half * 2
-    num_warps = 8 if elems >= 8192 else 4
+    num_warps = TUNING["warps"] or (8 if elems >= 8192 else 4)
     if batch * seq_len and (n_q_heads or n_k_heads):
         _rope_kernel[(batch * seq_len,)](
             q, q.stride(0), q.stride(1), q.stride(2), q_out, q_out.stride(0), q_out.stride(1), q_out.stride(2),

@@ -1,0 +1,96 @@
+"""Sweep foak's launch knobs (ops' TUNING dicts) at the ANCHORS shapes on a GPU; prints the best per op.
+
+Run on the H200: python3 benchmarks/tune_ops.py [--out DIR]. Times forward+backward (bf16), median of
+CUDA-event timings; inputs are fresh non-leaf clones each repetition, outside the timed region.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import itertools
+import json
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "src"))
+import foak  # noqa: E402
+
+
+def time_fwd_bwd(fn, leaves, reps=30, warmup=5):
+    outs = fn(*[t.clone() for t in leaves])
+    grads = [torch.randn_like(o) for o in (outs if isinstance(outs, tuple) else (outs,))]
+    del outs
+    times = []
+    for i in range(warmup + reps):
+        inputs = [t.clone() for t in leaves]  # fresh non-leaf inputs, outside the timed region
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        outs = fn(*inputs)
+        torch.autograd.grad(outs, inputs, grads)
+        end.record()
+        if i >= warmup:
+            times.append((start, end))
+    torch.cuda.synchronize()
+    ms = sorted(s.elapsed_time(e) for s, e in times)
+    return ms[len(ms) // 2]
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", default="benchmarks/results")
+    args = parser.parse_args()
+    dev, bf16 = "cuda", torch.bfloat16
+
+    def leaf(*shape):
+        return torch.randn(*shape, device=dev, dtype=bf16, requires_grad=True)
+
+    angles = torch.rand(4, 4096, 64, device=dev) * 6.3
+    cos, sin = torch.cat((angles, angles), -1).cos().to(bf16), torch.cat((angles, angles), -1).sin().to(bf16)
+    w = leaf(4096)
+    sweeps = {
+        "rms_norm": (
+            "foak.ops.rms_norm",
+            {"forward_warps": [4, 8, 16], "backward_warps": [4, 8, 16], "backward_programs_per_sm": [2, 4, 8]},
+            lambda x: foak.rms_norm(x, w),
+            [leaf(16384, 4096)],
+        ),
+        "rope": (
+            "foak.ops.rope",
+            {"warps": [2, 4, 8, 16]},
+            lambda q, k: foak.rope(q.transpose(1, 2), k.transpose(1, 2), cos, sin),
+            [leaf(4, 4096, 32, 128), leaf(4, 4096, 8, 128)],
+        ),
+        "swiglu": (
+            "foak.ops.activations",
+            {"block": [1024, 2048, 4096, 8192], "warps": [4, 8, 16]},
+            lambda g, u: foak.swiglu(g, u),
+            [leaf(16384, 14336), leaf(16384, 14336)],
+        ),
+    }
+    results = {}
+    for op, (module_name, grid, fn, leaves) in sweeps.items():
+        tuning = importlib.import_module(module_name).TUNING
+        default = dict(tuning)
+        rows = []
+        for values in itertools.product(*grid.values()):
+            tuning.update(dict(zip(grid, values)))
+            rows.append({"config": dict(zip(grid, values)), "ms": time_fwd_bwd(fn, leaves)})
+            print(op, rows[-1], flush=True)
+        tuning.clear()
+        tuning.update(default)
+        rows.append({"config": "default", "ms": time_fwd_bwd(fn, leaves)})
+        best = min(rows, key=lambda r: r["ms"])
+        results[op] = {"rows": rows, "best": best}
+        print(f"BEST {op}: {best} (default {rows[-1]['ms']:.4f} ms)", flush=True)
+        del leaves
+        torch.cuda.empty_cache()
+    os.makedirs(args.out, exist_ok=True)
+    with open(os.path.join(args.out, "tune_h200.json"), "w") as f:
+        json.dump({"gpu": torch.cuda.get_device_name(0), "torch": torch.__version__, "results": results}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
