@@ -16,7 +16,7 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "src"))
-import foak  # noqa: E402
+import foak
 
 
 def time_fwd_bwd(fn, leaves, reps=30, warmup=5):

@@ -3,11 +3,11 @@ import os
 # Triton reads this when @triton.jit decorates a kernel, so it must be set before foak is imported.
 os.environ.setdefault("TRITON_INTERPRET", "1")
 
-import pytest  # noqa: E402
-import torch  # noqa: E402
+import pytest
+import torch
 
-from foak.backend import interpreter_enabled  # noqa: E402
-from foak.testing import TOLERANCE  # noqa: E402
+from foak.backend import interpreter_enabled
+from foak.testing import TOLERANCE
 
 if interpreter_enabled():
     import triton_interpreter_compat

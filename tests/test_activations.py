@@ -21,7 +21,7 @@ def test_matches_reference(shape, activation, dtype):
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("activation", ACTIVATIONS)
 def test_chunked_halves_of_one_tensor(activation, dtype):
-    # strided, non-contiguous views into one intermediate: the in-place backward path
+    # strided, non-contiguous views into one intermediate (a fused gate_up output): out-of-place backward
     assert_case(glu_case((13, 77), activation, chunked=True), dtype)
 
 
@@ -41,7 +41,7 @@ def _intermediates(shape=(11, 45)):
 
 
 def test_inplace_backward_reuses_intermediate_storage():
-    g0, u0, g, u = _intermediates()
+    _g0, _u0, g, u = _intermediates()
     g_ptr, g_vals, u_vals = g.data_ptr(), g.detach().clone(), u.detach().clone()
     h = swiglu(g, u)
     dh = torch.randn_like(h)
@@ -53,7 +53,7 @@ def test_inplace_backward_reuses_intermediate_storage():
 
 
 def test_inplace_backward_is_loud_when_another_op_saved_the_input():
-    g0, u0, g, u = _intermediates()
+    _g0, u0, g, u = _intermediates()
     other = g * u0  # saves g before swiglu: swiglu's backward (which runs first) would overwrite it
     h = swiglu(g, u)
     with pytest.raises(RuntimeError, match="modified by an inplace operation"):
@@ -68,6 +68,27 @@ def test_inplace_backward_can_be_disabled():
     gr, ur = g0.detach().clone().requires_grad_(), u0.detach().clone().requires_grad_()
     (glu_reference(gr, ur).sum() + (gr * ur).sum()).backward()
     assert relative_error(g0.grad, gr.grad) < 1e-5 and relative_error(u0.grad, ur.grad) < 1e-5
+
+
+@pytest.mark.parametrize("split", ["slices_of_leaves", "chunk_dim0_of_intermediate", "same_tensor"])
+def test_views_and_aliases_take_the_out_of_place_backward(split):
+    base = torch.randn(10, 33, requires_grad=True)
+    other = torch.randn(10, 33, requires_grad=True)
+    if split == "slices_of_leaves":
+        g, u = base[:5], other[:5]  # views of leaves have a grad_fn but must not be overwritten
+    elif split == "chunk_dim0_of_intermediate":
+        g, u = (base * 1.0).chunk(2, 0)  # multi-output views: autograd forbids in-place writes
+    else:
+        g = u = base * 1.0
+    before = (base.detach().clone(), other.detach().clone())
+    h = swiglu(g, u)
+    dh = torch.randn_like(h)
+    dg, du = torch.autograd.grad(h, (g, u), dh)
+    assert torch.equal(base.detach(), before[0]) and torch.equal(other.detach(), before[1])
+    gr = g.detach().clone().requires_grad_()
+    ur = gr if g is u else u.detach().clone().requires_grad_()  # same tensor: grads w.r.t. it add up
+    dgr, dur = torch.autograd.grad(glu_reference(gr, ur), (gr, ur), dh)
+    assert relative_error(dg, dgr) < 1e-5 and relative_error(du, dur) < 1e-5
 
 
 def test_leaf_inputs_are_never_overwritten():

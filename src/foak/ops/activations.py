@@ -1,8 +1,8 @@
 """Gated MLP activations: SwiGLU ``silu(g) * u`` and GeGLU ``gelu(g) * u`` (exact erf or tanh form).
 
 The backward recomputes the activation from ``g`` instead of saving it. When ``g`` and ``u`` are
-intermediate activations (they have a ``grad_fn``, as the outputs of the gate/up projections do) and do
-not overlap, the backward writes ``dg`` and ``du`` into their storage, so it allocates nothing; their
+intermediate activations (they have a ``grad_fn`` and are not views, as the outputs of separate gate/up
+projections are) in separate contiguous memory, the backward writes ``dg`` and ``du`` into their storage, so it allocates nothing; their
 version counters are bumped, so any other op that saved them raises autograd's usual in-place error
 instead of computing with overwritten values. Pass ``inplace_backward=False`` to keep them intact.
 """
@@ -186,26 +186,19 @@ class _GLUFunction(torch.autograd.Function):
 
 
 # 5. public functions ------------------------------------------------------------------------------
-def _storage_span(t: torch.Tensor) -> tuple[int, int]:
-    start = t.untyped_storage().data_ptr() + t.storage_offset() * t.element_size()
-    extent = sum((s - 1) * st for s, st in zip(t.shape, t.stride())) + 1
-    return start, start + extent * t.element_size()
-
-
 def _can_overwrite(g: torch.Tensor, u: torch.Tensor) -> bool:
     """True when g and u are intermediates whose memory the backward may reuse for dg and du."""
     if g.grad_fn is None or u.grad_fn is None:
         return False  # leaves (or tensors outside autograd) belong to the caller
-    for t in (g, u):
-        try:  # the kernel writes through a [rows, cols] view: it must not be a copy
-            v = t.view(-1, t.shape[-1])
-        except RuntimeError:
-            return False
-        if v.stride(-1) != 1 or (v.shape[0] > 1 and v.stride(0) < v.shape[1]):
-            return False  # expanded or overlapping rows cannot hold distinct gradients
+    if g._is_view() or u._is_view():
+        # a view may alias a leaf (x0[:n]) or come from a multi-output op (chunk/split), which autograd
+        # forbids modifying in place: use the out-of-place backward
+        return False
     if g.untyped_storage().data_ptr() == u.untyped_storage().data_ptr():
-        (a0, a1), (b0, b1) = _storage_span(g), _storage_span(u)
-        return a1 <= b0 or b1 <= a0
+        return False  # e.g. swiglu(x, x): dg and du need separate memory
+    for t in (g, u):
+        if not t.is_contiguous():
+            return False  # expanded or overlapping rows cannot hold distinct gradients
     return True
 
 

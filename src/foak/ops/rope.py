@@ -23,7 +23,6 @@ import triton.language as tl
 from foak.backend import use_triton
 from foak.ops._checks import check_float_tensor, check_same_device, check_same_dtype
 
-
 # Launch knob (None = heuristic); benchmarks/ops.py sweeps it on the GPU.
 TUNING = {"warps": None}
 
@@ -161,7 +160,7 @@ def _rope_op(
 
 @_rope_op.register_fake
 def _(q, k, cos, sin, position_ids, backward):
-    return torch.empty_like(q), torch.empty_like(k)
+    return torch.empty_like(_unit_last(q)), torch.empty_like(_unit_last(k))
 
 
 class _RoPEFunction(torch.autograd.Function):
