@@ -32,6 +32,7 @@ TOL = {torch.float32: 1e-5, torch.bfloat16: 1e-2}
 AGREE_TOL = 2e-2  # foak vs HF eager at the benchmark shapes: both carry bf16 rounding
 EPS = 1e-6
 MiB = 2**20
+SPIN_CYCLES = 20_000_000  # ~10 ms at the H200's 1.98 GHz: longer than any variant's host issue time
 CHECKS: list[dict] = []
 START = time.perf_counter()
 
@@ -203,17 +204,27 @@ def compile_check(dev, backend="inductor"):
 
 
 # 2. timing ----------------------------------------------------------------------------------------
-def cuda_median_ms(run, prepare=lambda: (), warmup=10, reps=50) -> float:
-    """Median of CUDA-event times of run(*prepare()); prepare() is enqueued outside the events."""
+def cuda_median_ms(run, prepare=lambda: (), warmup=10, reps=50, host_times=None) -> float:
+    """Median GPU time (CUDA events) of run(*prepare()); prepare() is enqueued outside the events.
+
+    Before each timed call the GPU is kept busy by a spin kernel, so the host has queued the whole call
+    before the GPU reaches it: the events then time the kernels, not Python's launch overhead (which a
+    training step hides behind other layers' GPU work). The host's issue time of each call is appended
+    to host_times (ms) when a list is given.
+    """
     for _ in range(warmup):
         run(*prepare())
     events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(reps)]
     for start, end in events:
         args = prepare()
+        torch.cuda._sleep(SPIN_CYCLES)
         start.record()
+        t0 = time.perf_counter()
         run(*args)
+        if host_times is not None:
+            host_times.append((time.perf_counter() - t0) * 1e3)
         end.record()
-    torch.cuda.synchronize()
+        torch.cuda.synchronize()  # one call at a time: the spin must cover only that call's issue time
     return statistics.median(s.elapsed_time(e) for s, e in events)
 
 
@@ -326,9 +337,11 @@ def time_variant(spec, fn, row, first_pass, warmup, reps):
     spec.setdefault("dys", [torch.randn_like(o) for o in outs])
     dys0 = [torch.empty_like(o).copy_(d) for o, d in zip(outs, spec["dys"])]
     del outs
+    host = []
     ms = cuda_median_ms(lambda ins, dys: timed_fwd_bwd(fn, ins, dys), lambda: fresh(spec["inputs"], dys0),
-                        warmup, reps)
+                        warmup, reps, host)
     row["runs_ms"].append(ms)
+    row.setdefault("host_issue_ms", []).append(statistics.median(host))
     if first_pass:
         row["extra_peak_mib"] = extra_peak_mib(fn, spec["inputs"], dys0)
         row["result"] = timed_fwd_bwd(fn, *fresh(spec["inputs"], dys0))  # for agreement(), then dropped
@@ -358,6 +371,35 @@ def run_timings(specs, bandwidth, warmup, reps):
             if run == 1:
                 agreement(spec["op"], rows["variants"])
     return results
+
+
+def profile_host(specs, calls=10) -> dict:
+    """cProfile of foak's host-side path (Python, dispatch, launches) per op: the top functions by own time."""
+    import cProfile
+    import io
+    import pstats
+
+    report = {}
+    for spec in specs:
+        fn = spec["variants"]["foak"]
+        outs = as_tuple(fn(*fresh(spec["inputs"], [])[0]))
+        dys = [torch.randn_like(o) for o in outs]
+        del outs
+        prepared = [fresh(spec["inputs"], dys) for _ in range(calls)]
+        torch.cuda.synchronize()
+        torch.cuda._sleep(SPIN_CYCLES * 5)
+        prof = cProfile.Profile()
+        prof.enable()
+        for ins, d in prepared:
+            timed_fwd_bwd(fn, ins, d)
+        prof.disable()
+        torch.cuda.synchronize()
+        text = io.StringIO()
+        pstats.Stats(prof, stream=text).sort_stats("tottime").print_stats(14)
+        report[spec["op"]] = text.getvalue()
+        log(f"-- host profile of foak, {spec['op']} ({calls} fwd+bwd calls)\n{text.getvalue()}")
+        del prepared
+    return report
 
 
 def agreement(op, variants):
@@ -415,8 +457,13 @@ def summarise(timings) -> list[str]:
         cells = [fmt(v.get(n)) for n in ("eager", "compile", "liger", "foak")]
         lines.append(f"| {op} | " + " | ".join(cells) + f" | {rows['floor_ms']:.3f} | "
                      + (f"{ratio:.2f}x |" if ratio else "n/a |"))
-    lines.append("ms: medians of timing pass 1 / pass 2; MiB: extra peak memory of one fwd+bwd (outputs and "
-                 "grads alive); ratio: foak / faster rival, best pass each (<1 means foak is faster).")
+    lines.append("ms: GPU time, medians of timing pass 1 / pass 2 (host launch overhead hidden); MiB: extra peak "
+                 "memory of one fwd+bwd (outputs and grads alive); ratio: foak / faster rival, best pass each "
+                 "(<1 means foak is faster).")
+    host = {op: {n: min(r["host_issue_ms"]) for n, r in rows["variants"].items() if r.get("host_issue_ms")}
+            for op, rows in timings.items()}
+    lines.append("host issue time per fwd+bwd call, ms: " + "; ".join(
+        f"{op.split()[0]}: " + ", ".join(f"{n} {t:.3f}" for n, t in h.items()) for op, h in host.items()))
     return lines
 
 
@@ -448,6 +495,8 @@ def main() -> int:
         try:
             specs = bench_specs(load_liger())
             timings = run_timings(specs, result["header"]["copy_bandwidth_GBps"] * 1e9, args.warmup, args.reps)
+            phase("host-side profile of foak")
+            result["host_profile"] = profile_host(specs)
         except Exception as e:  # keep the checks' results
             record("timing section ran", {}, 0.0, f"{type(e).__name__}: {str(e).splitlines()[0][:200]}")
     table = summarise(timings) if timings else []

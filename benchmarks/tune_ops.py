@@ -1,7 +1,7 @@
 """Sweep foak's launch knobs (ops' TUNING dicts) at the ANCHORS shapes on a GPU; prints the best per op.
 
 Run on the H200: python3 benchmarks/tune_ops.py [--out DIR]. Times forward+backward (bf16), median of
-CUDA-event timings; inputs are fresh non-leaf clones each repetition, outside the timed region.
+CUDA-event timings with the host's launch overhead hidden (see ops.cuda_median_ms); inputs are fresh non-leaf clones each repetition, outside the timed region.
 """
 
 from __future__ import annotations
@@ -23,19 +23,9 @@ def time_fwd_bwd(fn, leaves, reps=30, warmup=5):
     outs = fn(*[t.clone() for t in leaves])
     grads = [torch.randn_like(o) for o in (outs if isinstance(outs, tuple) else (outs,))]
     del outs
-    times = []
-    for i in range(warmup + reps):
-        inputs = [t.clone() for t in leaves]  # fresh non-leaf inputs, outside the timed region
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        outs = fn(*inputs)
-        torch.autograd.grad(outs, inputs, grads)
-        end.record()
-        if i >= warmup:
-            times.append((start, end))
-    torch.cuda.synchronize()
-    ms = sorted(s.elapsed_time(e) for s, e in times)
-    return ms[len(ms) // 2]
+    # fresh non-leaf inputs each repetition, outside the timed region
+    return cuda_median_ms(lambda ins: torch.autograd.grad(fn(*ins), ins, grads),
+                          lambda: ([t.clone() for t in leaves],), warmup, reps)
 
 
 def main():

@@ -11,6 +11,8 @@ first (as the HF decoder layer does) and both outputs are written in one pass.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -220,9 +222,14 @@ def _forward_launch(x, weight, residual, eps: float, mode: str):
     return y, total.view(x.shape), rstd
 
 
+@functools.lru_cache(maxsize=None)
+def _sm_count(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
 def _num_programs(device: torch.device, n_rows: int) -> int:
     if device.type == "cuda":
-        sms = torch.cuda.get_device_properties(device).multi_processor_count
+        sms = _sm_count(device)
         return max(1, min(n_rows, TUNING["backward_programs_per_sm"] * sms))
     return max(1, min(n_rows, 8))  # the interpreter runs programs one by one
 
