@@ -1,7 +1,8 @@
 """Sweep foak's launch knobs (ops' TUNING dicts) at the ANCHORS shapes on a GPU; prints the best per op.
 
 Run on the H200: python3 benchmarks/tune_ops.py [--out DIR]. Times forward+backward (bf16), median of
-CUDA-event timings with the host's launch overhead hidden (see ops.cuda_median_ms); inputs are fresh non-leaf clones each repetition, outside the timed region.
+CUDA-event timings with the host's launch overhead hidden (see ops.cuda_median_ms); inputs are fresh
+non-leaf clones each repetition, outside the timed region.
 """
 
 from __future__ import annotations
@@ -16,7 +17,9 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "src"))
-import foak
+sys.path.insert(0, os.path.dirname(__file__))
+import foak  # noqa: E402
+from ops import cuda_median_ms  # noqa: E402  (benchmarks/ops.py: GPU time with host overhead hidden)
 
 
 def time_fwd_bwd(fn, leaves, reps=30, warmup=5):
@@ -43,7 +46,7 @@ def main():
     sweeps = {
         "rms_norm": (
             "foak.ops.rms_norm",
-            {"forward_warps": [4, 8, 16], "backward_warps": [4, 8, 16], "backward_programs_per_sm": [2, 4, 8]},
+            {"forward_warps": [4, 8, 16], "backward_warps": [4, 8, 16], "backward_programs_per_sm": [1, 2, 4, 8]},
             lambda x: foak.rms_norm(x, w),
             [leaf(16384, 4096)],
         ),
@@ -55,7 +58,7 @@ def main():
         ),
         "swiglu": (
             "foak.ops.activations",
-            {"block": [1024, 2048, 4096, 8192], "warps": [4, 8, 16]},
+            {"block": [1024, 2048, 4096, 8192], "warps": [4, 8, 16], "eviction": ["", "evict_first"]},
             lambda g, u: foak.swiglu(g, u),
             [leaf(16384, 14336), leaf(16384, 14336)],
         ),

@@ -88,6 +88,39 @@ def test_weight_grad_accumulates_over_all_rows():
     assert relative_error(w.grad, wr.grad) < 1e-5
 
 
+def test_inplace_backward_reuses_intermediate_input_memory():
+    x0 = torch.randn(23, 129, requires_grad=True)
+    w = torch.randn(129, requires_grad=True)
+    x = x0 * 1.0  # an intermediate, like the residual stream entering a norm
+    x_ptr, x_vals = x.data_ptr(), x.detach().clone()
+    dy = torch.randn(23, 129)
+    dx, dw = torch.autograd.grad(rms_norm(x, w), (x, w), dy)
+    assert dx.data_ptr() == x_ptr  # no new allocation for dx
+    xr, wr = x_vals.requires_grad_(), w.detach().clone().requires_grad_()
+    dxr, dwr = torch.autograd.grad(rms_norm_reference(xr, wr), (xr, wr), dy)
+    assert relative_error(dx, dxr) < 1e-5 and relative_error(dw, dwr) < 1e-5
+
+
+def test_inplace_backward_is_loud_when_another_op_saved_the_input():
+    x0, w = torch.randn(5, 33, requires_grad=True), torch.randn(33)
+    x = x0 * 1.0
+    other = x * x0  # saves x before the norm, whose backward (which runs first) would overwrite it
+    y = rms_norm(x, w)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        (y.sum() + other.sum()).backward()
+    x = x0 * 1.0
+    other = x * x0
+    (rms_norm(x, w, inplace_backward=False).sum() + other.sum()).backward()  # opting out works
+
+
+def test_leaf_and_view_inputs_are_never_overwritten():
+    base = torch.randn(6, 40, requires_grad=True)
+    for x in (base, base[:, :33], (base * 1.0)[:, 3:36]):
+        before = x.detach().clone()
+        rms_norm(x, torch.randn(x.shape[-1])).sum().backward()
+        assert torch.equal(x.detach(), before)
+
+
 @pytest.mark.parametrize(
     "kwargs, message",
     [

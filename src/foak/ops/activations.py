@@ -2,9 +2,8 @@
 
 The backward recomputes the activation from ``g`` instead of saving it. When ``g`` and ``u`` are
 intermediate activations (they have a ``grad_fn`` and are not views, as the outputs of separate gate/up
-projections are) in separate contiguous memory, the backward writes ``dg`` and ``du`` into their storage, so it allocates nothing; their
-version counters are bumped, so any other op that saved them raises autograd's usual in-place error
-instead of computing with overwritten values. Pass ``inplace_backward=False`` to keep them intact.
+projections are) in separate contiguous memory, the backward writes ``dg`` and ``du`` into their storage, so it allocates nothing (see
+``foak/ops/_inplace.py`` for when that is safe and how misuse is caught). Pass ``inplace_backward=False`` to keep them intact.
 """
 
 from __future__ import annotations
@@ -15,11 +14,13 @@ import triton.language as tl
 
 from foak.backend import use_triton
 from foak.ops._checks import check_float_tensor, check_same_device, check_same_dtype, rows_view
+from foak.ops._custom_op import custom_op
+from foak.ops._inplace import can_overwrite, claim
 
 ACTIVATIONS = ("silu", "gelu", "gelu_tanh")
 _ACT_ID = {name: i for i, name in enumerate(ACTIVATIONS)}
 # Launch knobs; benchmarks/ops.py sweeps them on the GPU.
-TUNING = {"block": 4096, "warps": None}
+TUNING = {"block": 4096, "warps": None, "eviction": ""}
 
 
 # 1. reference -------------------------------------------------------------------------------------
@@ -74,78 +75,88 @@ def _activation_and_grad(g, ACT: tl.constexpr, NEED_GRAD: tl.constexpr):
 
 
 @triton.jit
+def _block_offsets(n_cols, n_col_blocks, BLOCK: tl.constexpr):
+    # one 1-D grid over (row, column block); contiguous tensors arrive as a single row
+    pid = tl.program_id(0).to(tl.int64)
+    row = pid // n_col_blocks
+    cols = (pid % n_col_blocks) * BLOCK + tl.arange(0, BLOCK)
+    return row, cols, cols < n_cols
+
+
+@triton.jit
 def _glu_forward_kernel(
-    G, g_stride, U, u_stride, H, h_stride, n_cols, ACT: tl.constexpr, BLOCK: tl.constexpr
+    G, g_stride, U, u_stride, H, h_stride, n_cols, n_col_blocks,
+    ACT: tl.constexpr, BLOCK: tl.constexpr, EVICTION: tl.constexpr,
 ):
-    row = tl.program_id(0).to(tl.int64)
-    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-    mask = cols < n_cols
-    g = tl.load(G + row * g_stride + cols, mask=mask, other=0.0).to(tl.float32)
-    u = tl.load(U + row * u_stride + cols, mask=mask, other=0.0).to(tl.float32)
+    row, cols, mask = _block_offsets(n_cols, n_col_blocks, BLOCK)
+    g = tl.load(G + row * g_stride + cols, mask=mask, other=0.0, eviction_policy=EVICTION).to(tl.float32)
+    u = tl.load(U + row * u_stride + cols, mask=mask, other=0.0, eviction_policy=EVICTION).to(tl.float32)
     a, _ = _activation_and_grad(g, ACT, False)
     tl.store(H + row * h_stride + cols, (a * u).to(H.dtype.element_ty), mask=mask)
 
 
 @triton.jit
 def _glu_backward_kernel(
-    DH, dh_stride, G, g_stride, U, u_stride, DG, dg_stride, DU, du_stride, n_cols,
-    ACT: tl.constexpr, BLOCK: tl.constexpr,
+    DH, dh_stride, G, g_stride, U, u_stride, DG, dg_stride, DU, du_stride, n_cols, n_col_blocks,
+    ACT: tl.constexpr, BLOCK: tl.constexpr, EVICTION: tl.constexpr,
 ):
-    row = tl.program_id(0).to(tl.int64)
-    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-    mask = cols < n_cols
-    dh = tl.load(DH + row * dh_stride + cols, mask=mask, other=0.0).to(tl.float32)
-    g = tl.load(G + row * g_stride + cols, mask=mask, other=0.0).to(tl.float32)
-    u = tl.load(U + row * u_stride + cols, mask=mask, other=0.0).to(tl.float32)
+    row, cols, mask = _block_offsets(n_cols, n_col_blocks, BLOCK)
+    dh = tl.load(DH + row * dh_stride + cols, mask=mask, other=0.0, eviction_policy=EVICTION).to(tl.float32)
+    g = tl.load(G + row * g_stride + cols, mask=mask, other=0.0, eviction_policy=EVICTION).to(tl.float32)
+    u = tl.load(U + row * u_stride + cols, mask=mask, other=0.0, eviction_policy=EVICTION).to(tl.float32)
     a, da = _activation_and_grad(g, ACT, True)
     tl.store(DG + row * dg_stride + cols, (dh * u * da).to(DG.dtype.element_ty), mask=mask)
     tl.store(DU + row * du_stride + cols, (dh * a).to(DU.dtype.element_ty), mask=mask)
 
 
 # 3. launchers -------------------------------------------------------------------------------------
-def _grid(n_rows: int, n_cols: int) -> tuple[tuple[int, int], int, int]:
+def _as_rows(*tensors: torch.Tensor) -> list[torch.Tensor]:
+    """[rows, cols] views with unit column stride; all-contiguous inputs become one long row."""
+    if all(t.is_contiguous() for t in tensors):
+        return [t.view(1, -1) for t in tensors]
+    return [rows_view(t, t.shape[-1]) for t in tensors]
+
+
+def _launch(kernel, tensors, activation: str) -> None:
+    n_rows, n_cols = tensors[0].shape
+    if n_rows * n_cols == 0:
+        return
     block = min(TUNING["block"], triton.next_power_of_2(n_cols))
     num_warps = TUNING["warps"] or (8 if block >= 2048 else 4)
-    return (n_rows, triton.cdiv(n_cols, block)), block, num_warps
+    n_col_blocks = triton.cdiv(n_cols, block)
+    args = [a for t in tensors for a in (t, t.stride(0))]
+    kernel[(n_rows * n_col_blocks,)](
+        *args, n_cols, n_col_blocks,
+        ACT=_ACT_ID[activation], BLOCK=block, EVICTION=TUNING["eviction"], num_warps=num_warps,
+    )
 
 
 def _forward_launch(g: torch.Tensor, u: torch.Tensor, activation: str) -> torch.Tensor:
-    n_cols = g.shape[-1]
-    g2, u2 = rows_view(g, n_cols), rows_view(u, n_cols)
-    h = torch.empty(g2.shape, dtype=g.dtype, device=g.device)
-    grid, block, num_warps = _grid(g2.shape[0], n_cols)
-    if h.numel():
-        _glu_forward_kernel[grid](
-            g2, g2.stride(0), u2, u2.stride(0), h, h.stride(0), n_cols,
-            ACT=_ACT_ID[activation], BLOCK=block, num_warps=num_warps,
-        )
-    return h.view(g.shape)
+    h = torch.empty(g.shape, dtype=g.dtype, device=g.device)
+    _launch(_glu_forward_kernel, _as_rows(g, u, h), activation)
+    return h
 
 
 def _backward_launch(dh, g, u, dg, du, activation: str) -> None:
-    n_cols = g.shape[-1]
-    dh2, g2, u2 = rows_view(dh, n_cols), rows_view(g, n_cols), rows_view(u, n_cols)
-    dg2, du2 = dg.view(-1, n_cols), du.view(-1, n_cols)
-    grid, block, num_warps = _grid(g2.shape[0], n_cols)
-    if g2.numel():
-        _glu_backward_kernel[grid](
-            dh2, dh2.stride(0), g2, g2.stride(0), u2, u2.stride(0), dg2, dg2.stride(0), du2, du2.stride(0),
-            n_cols, ACT=_ACT_ID[activation], BLOCK=block, num_warps=num_warps,
-        )
+    """dg/du may be g/u themselves: each element is read before the same thread overwrites it."""
+    _launch(_glu_backward_kernel, _as_rows(dh, g, u, dg, du), activation)
 
 
 # 4. custom ops and autograd -----------------------------------------------------------------------
-@torch.library.custom_op("foak::glu_forward", mutates_args=())
+def _glu_forward_fake(g, u, activation):
+    return g.new_empty(g.shape)
+
+
+@custom_op("glu_forward", _glu_forward_fake)
 def _glu_forward_op(g: torch.Tensor, u: torch.Tensor, activation: str) -> torch.Tensor:
     return _forward_launch(g, u, activation)
 
 
-@_glu_forward_op.register_fake
-def _(g, u, activation):
-    return g.new_empty(g.shape)
+def _glu_backward_fake(dh, g, u, activation):
+    return g.new_empty(g.shape), u.new_empty(u.shape)
 
 
-@torch.library.custom_op("foak::glu_backward", mutates_args=())
+@custom_op("glu_backward", _glu_backward_fake)
 def _glu_backward_op(
     dh: torch.Tensor, g: torch.Tensor, u: torch.Tensor, activation: str
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -155,21 +166,10 @@ def _glu_backward_op(
     return dg, du
 
 
-@_glu_backward_op.register_fake
-def _(dh, g, u, activation):
-    return g.new_empty(g.shape), u.new_empty(u.shape)
-
-
-@torch.library.custom_op("foak::glu_backward_", mutates_args=("g", "u"))
-def _glu_backward_inplace_op(dh: torch.Tensor, g: torch.Tensor, u: torch.Tensor, activation: str) -> None:
-    # the kernel reads g[i], u[i] and writes dg[i], du[i] in the same thread: overwriting is safe
-    _backward_launch(dh, g, u, g, u, activation)
-
-
 class _GLUFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, g, u, activation, inplace_backward):
-        h = torch.ops.foak.glu_forward(g, u, activation)
+        h = _glu_forward_op(g, u, activation)
         ctx.save_for_backward(g, u)
         ctx.activation = activation
         ctx.inplace_backward = inplace_backward
@@ -179,29 +179,15 @@ class _GLUFunction(torch.autograd.Function):
     def backward(ctx, dh):
         g, u = ctx.saved_tensors
         if ctx.inplace_backward:
-            torch.ops.foak.glu_backward_(dh, g, u, ctx.activation)
+            # eager only (never chosen while compiling): the kernel reads g[i], u[i] and writes
+            # dg[i], du[i] from the same thread, so overwriting in place is safe
+            _backward_launch(dh, g, u, g, u, ctx.activation)
             return g, u, None, None
-        dg, du = torch.ops.foak.glu_backward(dh, g, u, ctx.activation)
+        dg, du = _glu_backward_op(dh, g, u, ctx.activation)
         return dg, du, None, None
 
 
 # 5. public functions ------------------------------------------------------------------------------
-def _can_overwrite(g: torch.Tensor, u: torch.Tensor) -> bool:
-    """True when g and u are intermediates whose memory the backward may reuse for dg and du."""
-    if g.grad_fn is None or u.grad_fn is None:
-        return False  # leaves (or tensors outside autograd) belong to the caller
-    if g._is_view() or u._is_view():
-        # a view may alias a leaf (x0[:n]) or come from a multi-output op (chunk/split), which autograd
-        # forbids modifying in place: use the out-of-place backward
-        return False
-    if g.untyped_storage().data_ptr() == u.untyped_storage().data_ptr():
-        return False  # e.g. swiglu(x, x): dg and du need separate memory
-    for t in (g, u):
-        if not t.is_contiguous():
-            return False  # expanded or overlapping rows cannot hold distinct gradients
-    return True
-
-
 def glu(g: torch.Tensor, u: torch.Tensor, activation: str = "silu", inplace_backward: bool = True) -> torch.Tensor:
     """``act(g) * u`` for ``activation`` in ("silu", "gelu", "gelu_tanh"); g and u share shape and dtype."""
     op = "glu"
@@ -217,17 +203,9 @@ def glu(g: torch.Tensor, u: torch.Tensor, activation: str = "silu", inplace_back
         raise ValueError(f"{op}: g and u must have at least one dimension, got scalars")
     if not use_triton(g.device):
         return glu_reference(g, u, activation)
-    # under torch.compile the compiler plans memory itself (and grad_fn cannot be inspected)
-    inplace = (
-        bool(inplace_backward)
-        and not torch.compiler.is_compiling()
-        and torch.is_grad_enabled()
-        and _can_overwrite(g, u)
-    )
+    inplace = bool(inplace_backward) and can_overwrite(g, u)
     if inplace:
-        # other saved uses of g or u now fail loudly in their backward instead of reading gradients
-        torch.autograd.graph.increment_version(g)
-        torch.autograd.graph.increment_version(u)
+        claim(g, u)
     return _GLUFunction.apply(g, u, activation, inplace)
 
 

@@ -19,6 +19,8 @@ import triton.language as tl
 
 from foak.backend import use_triton
 from foak.ops._checks import check_float_tensor, check_same_device, check_same_dtype, rows_view
+from foak.ops._custom_op import custom_op
+from foak.ops._inplace import can_overwrite, claim
 
 MODES = ("llama", "gemma")
 MAX_HIDDEN = 65536
@@ -222,7 +224,7 @@ def _forward_launch(x, weight, residual, eps: float, mode: str):
     return y, total.view(x.shape), rstd
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _sm_count(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
@@ -234,12 +236,13 @@ def _num_programs(device: torch.device, n_rows: int) -> int:
     return max(1, min(n_rows, 8))  # the interpreter runs programs one by one
 
 
-def _backward_launch(dy, x, weight, rstd, d_total, mode: str):
+def _backward_launch(dy, x, weight, rstd, d_total, mode: str, dx=None):
+    """dx may be x itself (contiguous): each row/chunk of x is read before its gradient overwrites it."""
     n_cols = x.shape[-1]
     x2 = rows_view(x, n_cols)
     dy2 = rows_view(dy, n_cols)
     n_rows = x2.shape[0]
-    dx = torch.empty((n_rows, n_cols), dtype=x.dtype, device=x.device)
+    dx = torch.empty((n_rows, n_cols), dtype=x.dtype, device=x.device) if dx is None else dx.view(n_rows, n_cols)
     ds2 = rows_view(d_total, n_cols) if d_total is not None else dy2
     single, block, num_warps = _block_config(n_cols)
     num_warps = TUNING["backward_warps"] or num_warps
@@ -262,8 +265,15 @@ def _backward_launch(dy, x, weight, rstd, d_total, mode: str):
 
 
 # 4. custom ops (so torch.compile traces through) and autograd -------------------------------------
-@torch.library.custom_op("foak::rms_norm_forward", mutates_args=())
-def _rms_norm_forward_op(
+def _forward_fake(x, weight, residual, eps, mode):
+    y = x.new_empty(x.shape, dtype=_output_dtype(x, weight, mode))
+    total = x.new_empty(x.shape) if residual is not None else x.new_empty(0)
+    rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
+    return y, total, x.new_empty(rows, dtype=torch.float32)
+
+
+@custom_op("rms_norm_forward", _forward_fake)
+def _forward_op(
     x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor | None, eps: float, mode: str
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     y, total, rstd = _forward_launch(x, weight, residual, eps, mode)
@@ -271,36 +281,28 @@ def _rms_norm_forward_op(
     return y, (total if total is not None else x.new_empty(0)), rstd
 
 
-@_rms_norm_forward_op.register_fake
-def _(x, weight, residual, eps, mode):
-    y = x.new_empty(x.shape, dtype=_output_dtype(x, weight, mode))
-    total = x.new_empty(x.shape) if residual is not None else x.new_empty(0)
-    rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
-    return y, total, x.new_empty(rows, dtype=torch.float32)
+def _backward_fake(dy, x, weight, rstd, d_total, mode):
+    return x.new_empty(x.shape), torch.empty_like(weight)
 
 
-@torch.library.custom_op("foak::rms_norm_backward", mutates_args=())
-def _rms_norm_backward_op(
+@custom_op("rms_norm_backward", _backward_fake)
+def _backward_op(
     dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, rstd: torch.Tensor,
     d_total: torch.Tensor | None, mode: str,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     return _backward_launch(dy, x, weight, rstd, d_total, mode)
 
 
-@_rms_norm_backward_op.register_fake
-def _(dy, x, weight, rstd, d_total, mode):
-    return x.new_empty(x.shape), torch.empty_like(weight)
-
-
 class _RMSNormFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, weight, residual, eps, mode):
-        y, total, rstd = torch.ops.foak.rms_norm_forward(x, weight, residual, eps, mode)
+    def forward(ctx, x, weight, residual, eps, mode, inplace_backward):
+        y, total, rstd = _forward_op(x, weight, residual, eps, mode)
         has_residual = residual is not None
         # backward needs the normalised input: the sum when a residual was fused in
         ctx.save_for_backward(total if has_residual else x, weight, rstd)
         ctx.mode = mode
         ctx.has_residual = has_residual
+        ctx.inplace_backward = inplace_backward
         if has_residual:
             return y, total
         return y
@@ -309,11 +311,14 @@ class _RMSNormFunction(torch.autograd.Function):
     def backward(ctx, dy, d_total=None):
         # grads of unused outputs arrive as zeros (autograd materialises them), never None
         normed_input, weight, rstd = ctx.saved_tensors
-        dx, dw = torch.ops.foak.rms_norm_backward(dy, normed_input, weight, rstd, d_total, ctx.mode)
+        if ctx.inplace_backward:  # eager only (never chosen while compiling): dx into x's memory
+            dx, dw = _backward_launch(dy, normed_input, weight, rstd, d_total, ctx.mode, dx=normed_input)
+        else:
+            dx, dw = _backward_op(dy, normed_input, weight, rstd, d_total, ctx.mode)
         if not ctx.needs_input_grad[1]:
             dw = None
         dres = dx if ctx.has_residual and ctx.needs_input_grad[2] else None
-        return dx, dw, dres, None, None
+        return dx, dw, dres, None, None, None
 
 
 # 5. public function -------------------------------------------------------------------------------
@@ -349,12 +354,18 @@ def rms_norm(
     eps: float = 1e-6,
     mode: str = "llama",
     residual: torch.Tensor | None = None,
+    inplace_backward: bool = True,
 ):
     """RMSNorm over the last dimension of ``x`` (any number of leading dims, hidden size <= 65536).
 
     Returns ``y``; with ``residual`` given, returns ``(y, x + residual)`` where ``y`` normalises the sum.
+    When ``x`` is an intermediate (not a leaf, not a view) and no residual is fused, the backward writes
+    dx into x's memory (see ``foak/ops/_inplace.py``); ``inplace_backward=False`` keeps x intact.
     """
     _validate(x, weight, residual, eps, mode)
     if not use_triton(x.device):
         return rms_norm_reference(x, weight, eps, mode, residual)
-    return _RMSNormFunction.apply(x, weight, residual, float(eps), mode)
+    inplace = bool(inplace_backward) and residual is None and can_overwrite(x)
+    if inplace:
+        claim(x)
+    return _RMSNormFunction.apply(x, weight, residual, float(eps), mode, inplace)

@@ -22,6 +22,7 @@ import triton.language as tl
 
 from foak.backend import use_triton
 from foak.ops._checks import check_float_tensor, check_same_device, check_same_dtype
+from foak.ops._custom_op import custom_op
 
 # Launch knob (None = heuristic); benchmarks/ops.py sweeps it on the GPU.
 TUNING = {"warps": None}
@@ -150,7 +151,11 @@ def _launch(q, k, cos, sin, position_ids, backward: bool):
 
 
 # 4. custom op and autograd ------------------------------------------------------------------------
-@torch.library.custom_op("foak::rope", mutates_args=())
+def _rope_fake(q, k, cos, sin, position_ids, backward):
+    return torch.empty_like(_unit_last(q)), torch.empty_like(_unit_last(k))
+
+
+@custom_op("rope", _rope_fake)
 def _rope_op(
     q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
     position_ids: torch.Tensor | None, backward: bool,
@@ -158,22 +163,17 @@ def _rope_op(
     return _launch(q, k, cos, sin, position_ids, backward)
 
 
-@_rope_op.register_fake
-def _(q, k, cos, sin, position_ids, backward):
-    return torch.empty_like(_unit_last(q)), torch.empty_like(_unit_last(k))
-
-
 class _RoPEFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, cos, sin, position_ids):
-        q_out, k_out = torch.ops.foak.rope(q, k, cos, sin, position_ids, False)
+        q_out, k_out = _rope_op(q, k, cos, sin, position_ids, False)
         ctx.save_for_backward(cos, sin, position_ids)
         return q_out, k_out
 
     @staticmethod
     def backward(ctx, dq_out, dk_out):
         cos, sin, position_ids = ctx.saved_tensors
-        dq, dk = torch.ops.foak.rope(dq_out, dk_out, cos, sin, position_ids, True)
+        dq, dk = _rope_op(dq_out, dk_out, cos, sin, position_ids, True)
         return dq, dk, None, None, None
 
 
