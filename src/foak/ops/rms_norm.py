@@ -28,8 +28,10 @@ MAX_HIDDEN = 65536
 # processed in chunks of _CHUNK columns with a second pass.
 _MAX_SINGLE_BLOCK = 16384
 _CHUNK = 4096
-# Launch knobs (None = heuristic); benchmarks/ops.py sweeps them on the GPU.
-TUNING = {"forward_warps": None, "backward_warps": None, "backward_programs_per_sm": 4}
+# Launch knobs (None = heuristic), swept on the GPU by benchmarks/tune_ops.py.
+# Chosen on the H200 at [16384, 4096] bf16 (benchmarks/results/tune_h200.json): 2 backward programs per
+# SM of 16 warps ran 0.203 ms fwd+bwd, 8 per SM 0.199 ms but with 4x the fp32 weight-grad partials.
+TUNING = {"forward_warps": None, "backward_warps": None, "backward_programs_per_sm": 2}
 
 
 # 1. reference -------------------------------------------------------------------------------------
@@ -245,7 +247,7 @@ def _backward_launch(dy, x, weight, rstd, d_total, mode: str, dx=None):
     dx = torch.empty((n_rows, n_cols), dtype=x.dtype, device=x.device) if dx is None else dx.view(n_rows, n_cols)
     ds2 = rows_view(d_total, n_cols) if d_total is not None else dy2
     single, block, num_warps = _block_config(n_cols)
-    num_warps = TUNING["backward_warps"] or num_warps
+    num_warps = TUNING["backward_warps"] or min(16, max(4, block // 256))
     programs = _num_programs(x.device, n_rows)
     rows_per_program = triton.cdiv(max(n_rows, 1), programs)
     programs = triton.cdiv(max(n_rows, 1), rows_per_program)
