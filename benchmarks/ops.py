@@ -21,12 +21,12 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
-import torch  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
-import triton  # noqa: E402
+import torch
+import torch.nn.functional as F
+import triton
 
-import foak  # noqa: E402
-from foak.ops import geglu_reference, rms_norm_reference, rope_reference, swiglu_reference  # noqa: E402
+import foak
+from foak.ops import geglu_reference, rms_norm_reference, rope_reference, swiglu_reference
 
 TOL = {torch.float32: 1e-5, torch.bfloat16: 1e-2}
 AGREE_TOL = 2e-2  # foak vs HF eager at the benchmark shapes: both carry bf16 rounding

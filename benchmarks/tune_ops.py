@@ -18,8 +18,9 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "src"))
 sys.path.insert(0, os.path.dirname(__file__))
-import foak  # noqa: E402
-from ops import cuda_median_ms  # noqa: E402  (benchmarks/ops.py: GPU time with host overhead hidden)
+from ops import cuda_median_ms
+
+import foak
 
 
 def time_fwd_bwd(fn, leaves, reps=30, warmup=5):

@@ -18,6 +18,11 @@ def test_matches_reference(shape, mode, dtype):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+def test_largest_supported_hidden_size(dtype):
+    assert_case(rms_norm_case((2, 65536)), dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("shape", [(37, 129), (2, 9, 65), (3, 17000)])
 @pytest.mark.parametrize("mode", ["llama", "gemma"])
 def test_residual_matches_reference(shape, mode, dtype):
