@@ -20,10 +20,10 @@ def custom_op(name: str, fake, mutates_args=()):
         op.register_fake(fake)
 
         @functools.wraps(impl)
-        def call(*args):
+        def call(*args, **kwargs):
             if torch.compiler.is_compiling():
-                return op(*args)
-            return impl(*args)
+                return op(*args, **kwargs)
+            return impl(*args, **kwargs)
 
         call.custom_op = op
         return call

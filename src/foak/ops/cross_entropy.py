@@ -1,0 +1,395 @@
+"""Cross-entropy over a vocabulary, forward and backward, with the options LLM fine-tuning uses.
+
+Per row ``i`` with target ``t`` (rows whose target is ``ignore_index`` contribute nothing):
+    z      = softcap * tanh((logits / logits_scaling) / softcap)     (softcap=None: logits / logits_scaling)
+    lse    = logsumexp(z)
+    loss_i = (1 - eps) * (lse - z_t) + eps * (lse - mean_j z_j)      (eps = label_smoothing)
+             + lse_square_scale * lse**2                              (z-loss)
+Reductions: "none" (per row, 0 where ignored), "sum", "mean" (sum / number of non-ignored rows; 0 when
+every row is ignored, where torch returns NaN). ``num_items_in_batch`` (with "mean") divides the sum by
+that count instead, exactly as transformers' ``ForCausalLMLoss`` does, so gradient accumulation over
+micro-batches equals one large batch. Math is fp32 inside for any input dtype.
+
+For "mean"/"sum" the kernel computes the gradient during the forward (one read of the logits, a second
+read of each row while it is still in L2, one write of the gradient) and the backward only rescales it
+when the incoming gradient is not 1 (checked on the device, no host sync). For "none" the backward makes
+one pass over the logits with the per-row incoming gradients. The gradient lives in a new buffer, or in
+the logits' own memory with ``inplace_backward=True`` (the caller's logits are then overwritten).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from foak.backend import use_triton
+from foak.ops._checks import check_float_tensor, check_same_device
+from foak.ops._custom_op import custom_op
+
+REDUCTIONS = ("mean", "sum", "none")
+MAX_VOCAB = 1 << 20
+# Launch knobs, swept on the GPU by benchmarks/tune_ops.py.
+TUNING = {"block": 4096, "warps": 16}
+
+
+# 1. reference -------------------------------------------------------------------------------------
+def transform_logits(logits: torch.Tensor, logits_scaling: float = 1.0, softcap: float | None = None) -> torch.Tensor:
+    """fp32 logits after Granite-style scaling and Gemma-2-style soft-capping."""
+    z = logits.float()
+    if logits_scaling != 1.0:
+        z = z / logits_scaling
+    if softcap is not None:
+        z = softcap * torch.tanh(z / softcap)
+    return z
+
+
+def cross_entropy_reference(
+    logits, target, ignore_index=-100, reduction="mean", label_smoothing=0.0, lse_square_scale=0.0,
+    softcap=None, logits_scaling=1.0, num_items_in_batch=None, return_z_loss=False,
+):
+    """The math in plain torch (fp32). Same signature and semantics as :func:`cross_entropy`."""
+    z = transform_logits(logits.reshape(-1, logits.shape[-1]), logits_scaling, softcap)
+    target = target.reshape(-1)
+    valid = target != ignore_index
+    safe_target = torch.where(valid, target, torch.zeros_like(target)).long()
+    lse = torch.logsumexp(z, dim=-1)
+    nll = lse - z.gather(1, safe_target[:, None]).squeeze(1)
+    if label_smoothing:
+        nll = (1.0 - label_smoothing) * nll + label_smoothing * (lse - z.mean(dim=-1))
+    z_loss = lse_square_scale * lse.square()
+    zero = torch.zeros((), device=z.device)
+    rows = torch.where(valid, nll + z_loss, zero)
+    z_rows = torch.where(valid, z_loss, zero)
+    loss, z_loss = _reduce(rows, valid, reduction, num_items_in_batch), _reduce(z_rows, valid, reduction, num_items_in_batch)
+    if reduction == "none":
+        loss, z_loss = loss.view(target.shape), z_loss.view(target.shape)
+    return (loss, z_loss.detach()) if return_z_loss else loss
+
+
+def _reduce(rows, valid, reduction, num_items_in_batch):
+    if reduction == "none":
+        return rows
+    total = rows.sum()
+    if reduction == "sum":
+        return total
+    if num_items_in_batch is not None:
+        return total / torch.as_tensor(num_items_in_batch, device=rows.device, dtype=torch.float32)
+    return total / valid.sum().clamp(min=1)
+
+
+# 2. kernels ---------------------------------------------------------------------------------------
+@triton.jit
+def _transform(x, inv_scaling, softcap, HAS_SOFTCAP: tl.constexpr):
+    """fp32 logits after scaling and soft-capping; also returns tanh (for the softcap derivative)."""
+    z = x * inv_scaling
+    th = z
+    if HAS_SOFTCAP:
+        th = 2.0 * tl.sigmoid(2.0 * z / softcap) - 1.0  # tanh without libdevice (runs in the interpreter)
+        z = softcap * th
+    return z, th
+
+
+@triton.jit
+def _cross_entropy_kernel(
+    LOGITS, logits_stride, TARGET, GRAD, grad_stride, LOSS, LSE, ZLOSS, DLOSS, dloss_stride,
+    n_cols, ignore_index, label_smoothing, lse_square_scale, inv_scaling, softcap,
+    HAS_SOFTCAP: tl.constexpr, FORWARD: tl.constexpr, WRITE_GRAD: tl.constexpr, BLOCK: tl.constexpr,
+):
+    # FORWARD: logsumexp, loss and z-loss of the row. WRITE_GRAD: d(loss)/d(logits) times DLOSS[row]
+    # (the reduction scale in the forward, the incoming per-row gradient in a reduction="none" backward).
+    row = tl.program_id(0).to(tl.int64)
+    target = tl.load(TARGET + row).to(tl.int64)
+    x_row = LOGITS + row * logits_stride
+    g_row = GRAD + row * grad_stride
+    cols = tl.arange(0, BLOCK)
+    n_chunks = tl.cdiv(n_cols, BLOCK)
+    if target == ignore_index:
+        if FORWARD:
+            tl.store(LOSS + row, 0.0)
+            tl.store(LSE + row, 0.0)
+            tl.store(ZLOSS + row, 0.0)
+        if WRITE_GRAD:
+            for i in range(0, n_chunks):
+                c = i * BLOCK + cols
+                tl.store(g_row + c, tl.zeros([BLOCK], dtype=GRAD.dtype.element_ty), mask=c < n_cols)
+    else:
+        if FORWARD:
+            # per-lane online logsumexp: no cross-warp reduction inside the loop
+            m = tl.full([BLOCK], float("-inf"), tl.float32)
+            s = tl.zeros([BLOCK], dtype=tl.float32)
+            sum_z = tl.zeros([BLOCK], dtype=tl.float32)
+            for i in range(0, n_chunks):
+                c = i * BLOCK + cols
+                mask = c < n_cols
+                x = tl.load(x_row + c, mask=mask, other=0.0).to(tl.float32)
+                z, _ = _transform(x, inv_scaling, softcap, HAS_SOFTCAP)
+                z = tl.where(mask, z, float("-inf"))
+                m_new = tl.maximum(m, z)
+                alive = m_new > float("-inf")
+                s = tl.where(alive, s * tl.exp(m - m_new) + tl.exp(z - m_new), 0.0)
+                m = m_new
+                sum_z += tl.where(mask, z, 0.0)
+            row_max = tl.max(m, axis=0)
+            lse = row_max + tl.log(tl.sum(tl.where(m > float("-inf"), s * tl.exp(m - row_max), 0.0), axis=0))
+            x_t = tl.load(x_row + target).to(tl.float32)
+            z_t, _ = _transform(x_t, inv_scaling, softcap, HAS_SOFTCAP)
+            loss = lse - z_t
+            if label_smoothing > 0.0:
+                loss = (1.0 - label_smoothing) * loss + label_smoothing * (lse - tl.sum(sum_z, axis=0) / n_cols)
+            z_loss = lse_square_scale * lse * lse
+            tl.store(LOSS + row, loss + z_loss)
+            tl.store(LSE + row, lse)
+            tl.store(ZLOSS + row, z_loss)
+        else:
+            lse = tl.load(LSE + row)
+        if WRITE_GRAD:
+            scale = tl.load(DLOSS + row * dloss_stride).to(tl.float32) * inv_scaling
+            p_coef = 1.0 + 2.0 * lse_square_scale * lse
+            uniform = label_smoothing / n_cols
+            # last chunks first: they are the ones the forward pass read most recently (still in L2)
+            for i in range(0, n_chunks):
+                c = (n_chunks - 1 - i) * BLOCK + cols
+                mask = c < n_cols
+                x = tl.load(x_row + c, mask=mask, other=0.0).to(tl.float32)
+                z, th = _transform(x, inv_scaling, softcap, HAS_SOFTCAP)
+                g = tl.exp(z - lse) * p_coef - uniform - tl.where(c == target, 1.0 - label_smoothing, 0.0)
+                if HAS_SOFTCAP:
+                    g = g * (1.0 - th * th)
+                tl.store(g_row + c, (g * scale).to(GRAD.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _scale_unless_one_kernel(X, n_elements, SCALE, BLOCK: tl.constexpr):
+    # multiplies X by the device scalar SCALE; when it is exactly 1 every access is masked off, so the
+    # common loss.backward() costs one tiny launch and no host synchronisation
+    s = tl.load(SCALE).to(tl.float32)
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < tl.where(s != 1.0, n_elements, 0)
+    x = tl.load(X + offs, mask=mask, other=0.0).to(tl.float32)
+    tl.store(X + offs, (x * s).to(X.dtype.element_ty), mask=mask)
+
+
+# 3. launchers -------------------------------------------------------------------------------------
+def ce_launch(logits, target, *, grad=None, dloss=None, lse=None, ignore_index=-100, label_smoothing=0.0,
+              lse_square_scale=0.0, logits_scaling=1.0, softcap=None):
+    """Run the row kernel on 2-D ``logits`` (unit column stride) and 1-D ``target``.
+
+    Without ``lse``: computes and returns (loss_rows, lse, z_loss_rows); with ``grad`` (may be ``logits``
+    itself) also writes the gradient times ``dloss`` (a device scalar or per-row vector). With ``lse``
+    given (reduction="none" backward): only writes the gradient.
+    """
+    n_rows, n_cols = logits.shape
+    forward = lse is None
+    f32 = dict(dtype=torch.float32, device=logits.device)
+    if forward:
+        loss, lse, z_loss = torch.empty(n_rows, **f32), torch.empty(n_rows, **f32), torch.empty(n_rows, **f32)
+    else:
+        loss = z_loss = lse  # unused by the kernel
+    write_grad = grad is not None
+    if not write_grad:
+        grad, dloss = logits, lse  # unused
+    block = min(TUNING["block"], triton.next_power_of_2(n_cols))
+    if n_rows:
+        _cross_entropy_kernel[(n_rows,)](
+            logits, logits.stride(0), target, grad, grad.stride(0), loss, lse, z_loss,
+            dloss, dloss.stride(0) if dloss.dim() else 0,
+            n_cols, ignore_index, float(label_smoothing), float(lse_square_scale), 1.0 / logits_scaling,
+            float(softcap or 1.0),
+            HAS_SOFTCAP=softcap is not None, FORWARD=forward, WRITE_GRAD=write_grad, BLOCK=block,
+            num_warps=min(TUNING["warps"], max(4, block // 256)),
+        )
+    return loss, lse, z_loss
+
+
+def scale_unless_one_(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """x *= scale in place (x contiguous, scale a device scalar), skipping all memory traffic if scale == 1."""
+    if torch.compiler.is_compiling():
+        return x * scale
+    block = 4096
+    if x.numel():
+        _scale_unless_one_kernel[(triton.cdiv(x.numel(), block),)](x, x.numel(), scale, BLOCK=block, num_warps=8)
+    return x
+
+
+def reduction_scale(valid_count: torch.Tensor, reduction: str, num_items_in_batch, device) -> torch.Tensor:
+    """The device scalar every row's loss is multiplied by (1 for sum; 1/count or 1/num_items for mean)."""
+    if reduction == "sum":
+        return torch.ones((), dtype=torch.float32, device=device)
+    if num_items_in_batch is not None:
+        return 1.0 / torch.as_tensor(num_items_in_batch, dtype=torch.float32, device=device)
+    return 1.0 / valid_count.clamp(min=1).to(torch.float32)
+
+
+# 4. custom ops and autograd -----------------------------------------------------------------------
+def _forward_fake(logits, target, scale, ignore_index, label_smoothing, lse_square_scale, logits_scaling,
+                  softcap, compute_grad):
+    n = logits.shape[0]
+    rows = logits.new_empty(n, dtype=torch.float32)
+    grad = logits.new_empty(logits.shape) if compute_grad else logits.new_empty(0)
+    return rows, rows.new_empty(n), rows.new_empty(n), grad
+
+
+@custom_op("cross_entropy_forward", _forward_fake)
+def _forward_op(
+    logits: torch.Tensor, target: torch.Tensor, scale: torch.Tensor, ignore_index: int, label_smoothing: float,
+    lse_square_scale: float, logits_scaling: float, softcap: float | None, compute_grad: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    grad = torch.empty(logits.shape, dtype=logits.dtype, device=logits.device) if compute_grad else None
+    loss, lse, z_loss = ce_launch(
+        logits, target, grad=grad, dloss=scale, ignore_index=ignore_index, label_smoothing=label_smoothing,
+        lse_square_scale=lse_square_scale, logits_scaling=logits_scaling, softcap=softcap,
+    )
+    return loss, lse, z_loss, (grad if grad is not None else logits.new_empty(0))
+
+
+def _backward_fake(dloss, logits, target, lse, ignore_index, label_smoothing, lse_square_scale, logits_scaling,
+                   softcap):
+    return logits.new_empty(logits.shape)
+
+
+@custom_op("cross_entropy_backward", _backward_fake)
+def _backward_op(
+    dloss: torch.Tensor, logits: torch.Tensor, target: torch.Tensor, lse: torch.Tensor, ignore_index: int,
+    label_smoothing: float, lse_square_scale: float, logits_scaling: float, softcap: float | None,
+) -> torch.Tensor:
+    grad = torch.empty(logits.shape, dtype=logits.dtype, device=logits.device)
+    ce_launch(logits, target, grad=grad, dloss=dloss.float(), lse=lse, ignore_index=ignore_index,
+              label_smoothing=label_smoothing, lse_square_scale=lse_square_scale,
+              logits_scaling=logits_scaling, softcap=softcap)
+    return grad
+
+
+class _CrossEntropyFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, logits, target, scale, options, reduction, inplace):
+        # logits: 2-D with unit column stride; target 1-D; scale: device scalar (mean/sum) or None (none)
+        ctx.options, ctx.reduction, ctx.inplace, ctx.used = options, reduction, inplace, False
+        if reduction == "none":
+            loss, lse, z_loss, _ = _forward_op(logits, target, _ONE(logits.device), **options, compute_grad=False)
+            ctx.save_for_backward(logits, target, lse)
+            ctx.mark_non_differentiable(z_loss)
+            return loss, z_loss
+        if inplace:  # eager only (compiled calls never take this path)
+            loss, _, z_loss = ce_launch(logits, target, grad=logits, dloss=scale, **options)
+            grad = logits
+        else:
+            loss, _, z_loss, grad = _forward_op(logits, target, scale, **options, compute_grad=True)
+        ctx.save_for_backward(grad, scale)
+        total, z_total = loss.sum() * scale, z_loss.sum() * scale
+        ctx.mark_non_differentiable(z_total)
+        return total, z_total
+
+    @staticmethod
+    def backward(ctx, dloss, _dz):
+        if ctx.reduction == "none":
+            logits, target, lse = ctx.saved_tensors
+            if ctx.inplace:
+                ce_launch(logits, target, grad=logits, dloss=dloss.float().contiguous(), lse=lse, **ctx.options)
+                grad = logits
+            else:
+                grad = _backward_op(dloss.contiguous(), logits, target, lse, **ctx.options)
+            return grad, None, None, None, None, None
+        if ctx.used:
+            raise RuntimeError(
+                "cross_entropy: backward ran twice through a mean/sum loss; its gradient is computed in the "
+                "forward and consumed by the first backward. Use reduction='none' with retain_graph."
+            )
+        ctx.used = True
+        grad, _ = ctx.saved_tensors
+        return scale_unless_one_(grad, dloss.float()), None, None, None, None, None
+
+
+def _ONE(device):
+    return torch.ones((), dtype=torch.float32, device=device)
+
+
+# 5. public function -------------------------------------------------------------------------------
+def check_loss_options(op, reduction, label_smoothing, lse_square_scale, softcap, logits_scaling, num_items_in_batch):
+    if reduction not in REDUCTIONS:
+        raise ValueError(f"{op}: reduction must be one of {REDUCTIONS}, got {reduction!r}")
+    if num_items_in_batch is not None and reduction != "mean":
+        raise ValueError(
+            f"{op}: num_items_in_batch replaces the divisor of reduction='mean' (sum / num_items_in_batch, as "
+            f"transformers' ForCausalLMLoss); it cannot be combined with reduction={reduction!r}"
+        )
+    if not 0.0 <= label_smoothing < 1.0:
+        raise ValueError(f"{op}: label_smoothing must be in [0, 1), got {label_smoothing}")
+    if lse_square_scale < 0:
+        raise ValueError(f"{op}: lse_square_scale (z-loss weight) must be >= 0, got {lse_square_scale}")
+    if softcap is not None and not softcap > 0:
+        raise ValueError(f"{op}: softcap must be None or > 0, got {softcap}")
+    if not logits_scaling > 0:
+        raise ValueError(f"{op}: logits_scaling must be > 0, got {logits_scaling}")
+
+
+def check_targets(op, target, n_rows, n_classes, ignore_index, device):
+    if not isinstance(target, torch.Tensor) or target.dtype not in (torch.int64, torch.int32):
+        got = target.dtype if isinstance(target, torch.Tensor) else type(target).__name__
+        raise ValueError(f"{op}: target must be an int64 or int32 tensor, got {got}")
+    if target.numel() != n_rows:
+        raise ValueError(f"{op}: target has {target.numel()} elements (shape {tuple(target.shape)}); expected "
+                         f"one per row, {n_rows}")
+    if n_rows == 0:
+        raise ValueError(f"{op}: empty batch (0 rows): there is no loss to compute")
+    check_same_device(op, rows=torch.empty(0, device=device), target=target)
+    if not torch.compiler.is_compiling():
+        bad = (target != ignore_index) & ((target < 0) | (target >= n_classes))
+        if bool(bad.any()):
+            value = int(target[bad][0])
+            raise ValueError(
+                f"{op}: target value {value} is out of range: targets must be in [0, {n_classes}) or equal "
+                f"ignore_index ({ignore_index})"
+            )
+
+
+def cross_entropy(
+    logits: torch.Tensor,
+    target: torch.Tensor,
+    *,
+    ignore_index: int = -100,
+    reduction: str = "mean",
+    label_smoothing: float = 0.0,
+    lse_square_scale: float = 0.0,
+    softcap: float | None = None,
+    logits_scaling: float = 1.0,
+    num_items_in_batch=None,
+    return_z_loss: bool = False,
+    inplace_backward: bool = False,
+):
+    """Cross-entropy of ``logits [..., V]`` against integer ``target [...]`` (see the module docstring)."""
+    op = "cross_entropy"
+    check_float_tensor(op, "logits", logits)
+    if logits.dim() < 1 or logits.shape[-1] == 0:
+        raise ValueError(f"{op}: logits must have a non-empty class dimension, got shape {tuple(logits.shape)}")
+    if logits.shape[-1] > MAX_VOCAB:
+        raise ValueError(f"{op}: {logits.shape[-1]} classes exceed the supported maximum {MAX_VOCAB}")
+    n_classes = logits.shape[-1]
+    n_rows = logits.numel() // n_classes
+    if isinstance(target, torch.Tensor) and target.shape != logits.shape[:-1] and target.numel() == n_rows:
+        pass  # flat targets for [..., V] logits are accepted
+    check_targets(op, target, n_rows, n_classes, ignore_index, logits.device)
+    check_loss_options(op, reduction, label_smoothing, lse_square_scale, softcap, logits_scaling, num_items_in_batch)
+    if inplace_backward and not logits.is_contiguous():
+        raise ValueError(f"{op}: inplace_backward=True writes the gradient into logits, which must be contiguous")
+    options = dict(ignore_index=ignore_index, label_smoothing=float(label_smoothing),
+                   lse_square_scale=float(lse_square_scale), logits_scaling=float(logits_scaling),
+                   softcap=None if softcap is None else float(softcap))
+    if not use_triton(logits.device):
+        return cross_entropy_reference(logits, target, reduction=reduction, num_items_in_batch=num_items_in_batch,
+                                       return_z_loss=return_z_loss, **options)
+    logits2 = logits.reshape(-1, n_classes)
+    if logits2.stride(-1) != 1:
+        logits2 = logits2.contiguous()
+    target1 = target.reshape(-1)
+    valid = target1 != ignore_index
+    scale = None if reduction == "none" else reduction_scale(valid.sum(), reduction, num_items_in_batch, logits.device)
+    if torch.is_grad_enabled() and logits.requires_grad:
+        inplace = bool(inplace_backward) and not torch.compiler.is_compiling()
+        loss, z_loss = _CrossEntropyFunction.apply(logits2, target1, scale, options, reduction, inplace)
+    else:
+        rows, _, z_rows, _ = _forward_op(logits2, target1, _ONE(logits.device), **options, compute_grad=False)
+        loss, z_loss = (rows, z_rows) if reduction == "none" else (rows.sum() * scale, z_rows.sum() * scale)
+    if reduction == "none":
+        loss, z_loss = loss.view(target.shape), z_loss.view(target.shape)
+    return (loss, z_loss) if return_z_loss else loss
