@@ -125,13 +125,14 @@ def _cross_entropy_kernel(
                 x = tl.load(x_row + c, mask=mask, other=0.0).to(tl.float32)
                 z, _ = _transform(x, inv_scaling, softcap, HAS_SOFTCAP)
                 z = tl.where(mask, z, float("-inf"))
+                # lanes that have only seen padding keep m = -inf and s = 0 (shift by 0, not by -inf)
                 m_new = tl.maximum(m, z)
-                alive = m_new > float("-inf")
-                s = tl.where(alive, s * tl.exp(m - m_new) + tl.exp(z - m_new), 0.0)
+                shift = tl.where(m_new > float("-inf"), m_new, 0.0)
+                s = s * tl.exp(m - shift) + tl.exp(z - shift)
                 m = m_new
                 sum_z += tl.where(mask, z, 0.0)
             row_max = tl.max(m, axis=0)
-            lse = row_max + tl.log(tl.sum(tl.where(m > float("-inf"), s * tl.exp(m - row_max), 0.0), axis=0))
+            lse = row_max + tl.log(tl.sum(s * tl.exp(m - row_max), axis=0))
             x_t = tl.load(x_row + target).to(tl.float32)
             z_t, _ = _transform(x_t, inv_scaling, softcap, HAS_SOFTCAP)
             loss = lse - z_t
