@@ -35,6 +35,7 @@ def time_fwd_bwd(fn, leaves, reps=30, warmup=5):
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", default="benchmarks/results")
+    parser.add_argument("--ops", nargs="*", help="sweep only these ops (default: all)")
     args = parser.parse_args()
     dev, bf16 = "cuda", torch.bfloat16
 
@@ -44,6 +45,9 @@ def main():
     angles = torch.rand(4, 4096, 64, device=dev) * 6.3
     cos, sin = torch.cat((angles, angles), -1).cos().to(bf16), torch.cat((angles, angles), -1).sin().to(bf16)
     w = leaf(4096)
+    head = torch.nn.Parameter(torch.randn(128256, 4096, device=dev, dtype=bf16) * 0.02)
+    target = torch.randint(0, 128256, (8192,), device=dev)
+    target[torch.randperm(8192, device=dev)[: 8192 // 7]] = -100  # 1/7 ignored, as in ANCHORS
     sweeps = {
         "rms_norm": (
             "foak.ops.rms_norm",
@@ -63,7 +67,20 @@ def main():
             lambda g, u: foak.swiglu(g, u),
             [leaf(16384, 14336), leaf(16384, 14336)],
         ),
+        "cross_entropy": (
+            "foak.ops.cross_entropy",
+            {"block": [2048, 4096, 8192, 16384], "warps": [4, 8, 16, 32]},
+            lambda x: cross_entropy(x, target),
+            [leaf(8192, 128256)],
+        ),
+        "linear_cross_entropy": (
+            "foak.ops.linear_cross_entropy",
+            {"chunk_bytes": [mib * 2**20 for mib in (32, 64, 96, 128, 192)]},
+            lambda h: linear_cross_entropy(h, head, target),
+            [leaf(8192, 4096)],
+        ),
     }
+    sweeps = {k: v for k, v in sweeps.items() if not args.ops or k in args.ops}
     results = {}
     for op, (module_name, grid, fn, leaves) in sweeps.items():
         tuning = importlib.import_module(module_name).TUNING
@@ -82,7 +99,8 @@ def main():
         del leaves
         torch.cuda.empty_cache()
     os.makedirs(args.out, exist_ok=True)
-    with open(os.path.join(args.out, "tune_h200.json"), "w") as f:
+    name = "tune_h200.json" if not args.ops else f"tune_h200_{'_'.join(args.ops)}.json"
+    with open(os.path.join(args.out, name), "w") as f:
         json.dump({"gpu": torch.cuda.get_device_name(0), "torch": torch.__version__, "results": results}, f, indent=1)
 
 

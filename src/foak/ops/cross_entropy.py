@@ -198,7 +198,7 @@ def ce_launch(logits, target, *, grad=None, dloss=None, lse=None, ignore_index=-
             n_cols, ignore_index, float(label_smoothing), float(lse_square_scale), 1.0 / logits_scaling,
             float(softcap or 1.0),
             HAS_SOFTCAP=softcap is not None, FORWARD=forward, WRITE_GRAD=write_grad, BLOCK=block,
-            num_warps=min(TUNING["warps"], max(4, block // 256)),
+            num_warps=min(TUNING["warps"], max(4, block // 128)),
         )
     return loss, lse, z_loss
 
