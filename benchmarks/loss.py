@@ -225,9 +225,9 @@ def load_liger():
     return ce, lce
 
 
-def bench_specs(gemm_rate, bandwidth, warmup, reps, N=8192, H=4096, V=128256):
+def bench_specs(gemm_rate, bandwidth, warmup, reps, N=8192, H=4096, V=128256, dev="cuda"):
     """One entry per op: inputs (Parameters are not cloned), variants, floor, warm-up/reps; upstream grad 1."""
-    bf16, dev = torch.bfloat16, "cuda"
+    bf16 = torch.bfloat16
     liger_ce, liger_lce = load_liger()
     t = make_target(N, V, dev)
     logits = torch.randn(N, V, device=dev, dtype=bf16, requires_grad=True)

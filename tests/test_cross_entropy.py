@@ -52,12 +52,12 @@ def torch_cross_entropy(logits, target, ignore_index=-100, reduction="mean", lab
                         lse_square_scale=0.0, softcap=None, logits_scaling=1.0, num_items_in_batch=None,
                         return_z_loss=False):
     """The documented loss assembled from torch's and transformers' own functions, in fp32."""
-    z = logits.float()
+    z = logits.float().reshape(-1, logits.shape[-1])
     if logits_scaling != 1.0:
         z = z / logits_scaling
     if softcap is not None:
         z = softcap * torch.tanh(z / softcap)
-    target = target.long()
+    target = target.long().reshape(-1)
     valid = target != ignore_index
     z_rows = torch.where(valid, lse_square_scale * torch.logsumexp(z, -1).square(), 0.0)
 
@@ -276,11 +276,11 @@ def test_matches_hf_for_causal_lm_loss(ignore_index, num_items, dtype):
     labels[2, 5] = ignore_index
     if num_items == "tensor":
         num_items = (labels[:, 1:] != ignore_index).sum()  # what the HF Trainer passes
-    x_hf = logits.float().requires_grad_()  # HF upcasts too: an fp32 reference on the bf16-rounded values
+    x_hf = logits.detach().float().clone().requires_grad_()  # HF upcasts too: an fp32 reference on the bf16-rounded values
     hf = ForCausalLMLoss(x_hf, labels, vocab_size=vocab, num_items_in_batch=num_items, ignore_index=ignore_index)
     hf.backward()
     shifted = F.pad(labels[:, 1:], (0, 1), value=ignore_index)
-    x = logits.clone().requires_grad_()
+    x = logits.detach().clone().requires_grad_()
     loss = cross_entropy(x, shifted, ignore_index=ignore_index, num_items_in_batch=num_items)
     (loss * 1.0).backward()
     tol = TOL[dtype]

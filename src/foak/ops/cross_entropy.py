@@ -115,24 +115,22 @@ def _cross_entropy_kernel(
                 tl.store(g_row + c, tl.zeros([BLOCK], dtype=GRAD.dtype.element_ty), mask=c < n_cols)
     else:
         if FORWARD:
-            # per-lane online logsumexp: no cross-warp reduction inside the loop
-            m = tl.full([BLOCK], float("-inf"), tl.float32)
-            s = tl.zeros([BLOCK], dtype=tl.float32)
+            # online logsumexp with one max per chunk: one exp per element (the MUFU unit, not memory,
+            # bounds a per-element rescaling variant on the H200)
             sum_z = tl.zeros([BLOCK], dtype=tl.float32)
+            m = tl.max(sum_z, axis=0) - float("inf")  # fp32 scalar tensors (loop-carried types must match)
+            s = tl.sum(sum_z, axis=0)
             for i in range(0, n_chunks):
                 c = i * BLOCK + cols
                 mask = c < n_cols
                 x = tl.load(x_row + c, mask=mask, other=0.0).to(tl.float32)
                 z, _ = _transform(x, inv_scaling, softcap, HAS_SOFTCAP)
                 z = tl.where(mask, z, float("-inf"))
-                # lanes that have only seen padding keep m = -inf and s = 0 (shift by 0, not by -inf)
-                m_new = tl.maximum(m, z)
-                shift = tl.where(m_new > float("-inf"), m_new, 0.0)
-                s = s * tl.exp(m - shift) + tl.exp(z - shift)
+                m_new = tl.maximum(m, tl.max(z, axis=0))
+                s = s * tl.exp(m - m_new) + tl.sum(tl.exp(z - m_new), axis=0)
                 m = m_new
                 sum_z += tl.where(mask, z, 0.0)
-            row_max = tl.max(m, axis=0)
-            lse = row_max + tl.log(tl.sum(s * tl.exp(m - row_max), axis=0))
+            lse = m + tl.log(s)
             x_t = tl.load(x_row + target).to(tl.float32)
             z_t, _ = _transform(x_t, inv_scaling, softcap, HAS_SOFTCAP)
             loss = lse - z_t
