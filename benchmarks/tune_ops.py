@@ -71,7 +71,7 @@ def main():
         ),
         "cross_entropy": (
             "foak.ops.cross_entropy",
-            {"block": [2048, 4096, 8192, 16384], "warps": [4, 8, 16, 32]},
+            {"block": [2048, 4096, 8192, 16384], "warps": [8, 16, 32], "programs_per_sm": [0, 1, 2, 4]},
             lambda x: cross_entropy(x, target),
             [leaf(8192, 128256)],
         ),

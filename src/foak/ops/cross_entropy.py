@@ -19,6 +19,8 @@ the logits' own memory with ``inplace_backward=True`` (the caller's logits are t
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -30,7 +32,7 @@ from foak.ops._custom_op import custom_op
 REDUCTIONS = ("mean", "sum", "none")
 MAX_VOCAB = 1 << 20
 # Launch knobs, swept on the GPU by benchmarks/tune_ops.py.
-TUNING = {"block": 4096, "warps": 16}
+TUNING = {"block": 4096, "warps": 16, "programs_per_sm": 2}
 
 
 # 1. reference -------------------------------------------------------------------------------------
@@ -93,12 +95,27 @@ def _transform(x, inv_scaling, softcap, HAS_SOFTCAP: tl.constexpr):
 @triton.jit
 def _cross_entropy_kernel(
     LOGITS, logits_stride, TARGET, GRAD, grad_stride, LOSS, LSE, ZLOSS, DLOSS, dloss_stride,
+    n_rows, n_cols, ignore_index, label_smoothing, lse_square_scale, inv_scaling, softcap,
+    HAS_SOFTCAP: tl.constexpr, FORWARD: tl.constexpr, WRITE_GRAD: tl.constexpr, BLOCK: tl.constexpr,
+):
+    # a persistent grid: few rows in flight per SM, so the gradient pass re-reads each row from L2
+    first = tl.program_id(0).to(tl.int64)
+    for row in range(first, n_rows, tl.num_programs(0)):
+        _cross_entropy_row(
+            row, LOGITS, logits_stride, TARGET, GRAD, grad_stride, LOSS, LSE, ZLOSS, DLOSS, dloss_stride,
+            n_cols, ignore_index, label_smoothing, lse_square_scale, inv_scaling, softcap,
+            HAS_SOFTCAP, FORWARD, WRITE_GRAD, BLOCK,
+        )
+
+
+@triton.jit
+def _cross_entropy_row(
+    row, LOGITS, logits_stride, TARGET, GRAD, grad_stride, LOSS, LSE, ZLOSS, DLOSS, dloss_stride,
     n_cols, ignore_index, label_smoothing, lse_square_scale, inv_scaling, softcap,
     HAS_SOFTCAP: tl.constexpr, FORWARD: tl.constexpr, WRITE_GRAD: tl.constexpr, BLOCK: tl.constexpr,
 ):
     # FORWARD: logsumexp, loss and z-loss of the row. WRITE_GRAD: d(loss)/d(logits) times DLOSS[row]
     # (the reduction scale in the forward, the incoming per-row gradient in a reduction="none" backward).
-    row = tl.program_id(0).to(tl.int64)
     target = tl.load(TARGET + row).to(tl.int64)
     x_row = LOGITS + row * logits_stride
     g_row = GRAD + row * grad_stride
@@ -190,15 +207,28 @@ def ce_launch(logits, target, *, grad=None, dloss=None, lse=None, ignore_index=-
         grad, dloss = logits, lse  # unused
     block = min(TUNING["block"], triton.next_power_of_2(n_cols))
     if n_rows:
-        _cross_entropy_kernel[(n_rows,)](
+        _cross_entropy_kernel[(_num_programs(logits.device, n_rows),)](
             logits, logits.stride(0), target, grad, grad.stride(0), loss, lse, z_loss,
             dloss, dloss.stride(0) if dloss.dim() else 0,
-            n_cols, ignore_index, float(label_smoothing), float(lse_square_scale), 1.0 / logits_scaling,
+            n_rows, n_cols, ignore_index, float(label_smoothing), float(lse_square_scale), 1.0 / logits_scaling,
             float(softcap or 1.0),
             HAS_SOFTCAP=softcap is not None, FORWARD=forward, WRITE_GRAD=write_grad, BLOCK=block,
             num_warps=min(TUNING["warps"], max(4, block // 128)),
         )
     return loss, lse, z_loss
+
+
+@functools.lru_cache(maxsize=None)
+def _sm_count(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def _num_programs(device: torch.device, n_rows: int) -> int:
+    if device.type != "cuda":
+        return min(n_rows, 4)  # the interpreter: still exercises the row loop
+    if not TUNING["programs_per_sm"]:
+        return n_rows
+    return min(n_rows, TUNING["programs_per_sm"] * _sm_count(device))
 
 
 def scale_unless_one_(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
