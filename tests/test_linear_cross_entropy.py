@@ -214,7 +214,7 @@ def test_shift_equals_manual_shift(reduction):
     loss1.backward(u.reshape(loss1.shape))
     h2, w2 = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
     loss2 = linear_cross_entropy(h2[:, :-1], w2, labels[:, 1:], b, reduction=reduction)  # non-contiguous hidden
-    loss2.backward(u[:, :-1].reshape(loss2.shape))
+    loss2.backward(u[:, :-1].reshape(loss2.shape) if reduction == "none" else u)
     if reduction == "none":
         assert loss1.numel() == 21 and loss2.numel() == 18
         loss1 = loss1.reshape(3, 7)
@@ -361,9 +361,10 @@ def test_non_contiguous_hidden(layout):
         base = torch.randn(h_, n)
         take = lambda t: t.t()  # noqa: E731
     else:
-        base = torch.randn(1, n + 1, h_)
+        base = torch.randn(2, 8, h_)  # hidden_states[:, 1:] of [B, S + 1, H]
         take = lambda t: t[:, 1:]  # noqa: E731
-    target = make_target(n, vocab).reshape(take(base).shape[:-1])
+    lead = take(base).shape[:-1]
+    target = make_target(lead.numel(), vocab).reshape(lead)
     for reduction in REDUCTIONS:
         x = base.clone().requires_grad_()
         hidden = take(x)

@@ -32,7 +32,7 @@ from foak.ops._custom_op import custom_op
 REDUCTIONS = ("mean", "sum", "none")
 MAX_VOCAB = 1 << 20
 # Launch knobs, swept on the GPU by benchmarks/tune_ops.py.
-TUNING = {"block": 4096, "warps": 16, "programs_per_sm": 2}
+TUNING = {"block": 4096, "warps": 16, "programs_per_sm": 2, "lane_lse": False}
 
 
 # 1. reference -------------------------------------------------------------------------------------
@@ -97,6 +97,7 @@ def _cross_entropy_kernel(
     LOGITS, logits_stride, TARGET, GRAD, grad_stride, LOSS, LSE, ZLOSS, DLOSS, dloss_stride,
     n_rows, n_cols, ignore_index, label_smoothing, lse_square_scale, inv_scaling, softcap,
     HAS_SOFTCAP: tl.constexpr, FORWARD: tl.constexpr, WRITE_GRAD: tl.constexpr, BLOCK: tl.constexpr,
+    LANE_LSE: tl.constexpr,
 ):
     # a persistent grid: few rows in flight per SM, so the gradient pass re-reads each row from L2
     first = tl.program_id(0).to(tl.int64)
@@ -104,7 +105,7 @@ def _cross_entropy_kernel(
         _cross_entropy_row(
             row, LOGITS, logits_stride, TARGET, GRAD, grad_stride, LOSS, LSE, ZLOSS, DLOSS, dloss_stride,
             n_cols, ignore_index, label_smoothing, lse_square_scale, inv_scaling, softcap,
-            HAS_SOFTCAP, FORWARD, WRITE_GRAD, BLOCK,
+            HAS_SOFTCAP, FORWARD, WRITE_GRAD, BLOCK, LANE_LSE,
         )
 
 
@@ -113,6 +114,7 @@ def _cross_entropy_row(
     row, LOGITS, logits_stride, TARGET, GRAD, grad_stride, LOSS, LSE, ZLOSS, DLOSS, dloss_stride,
     n_cols, ignore_index, label_smoothing, lse_square_scale, inv_scaling, softcap,
     HAS_SOFTCAP: tl.constexpr, FORWARD: tl.constexpr, WRITE_GRAD: tl.constexpr, BLOCK: tl.constexpr,
+    LANE_LSE: tl.constexpr,
 ):
     # FORWARD: logsumexp, loss and z-loss of the row. WRITE_GRAD: d(loss)/d(logits) times DLOSS[row]
     # (the reduction scale in the forward, the incoming per-row gradient in a reduction="none" backward).
@@ -132,23 +134,39 @@ def _cross_entropy_row(
                 tl.store(g_row + c, tl.zeros([BLOCK], dtype=GRAD.dtype.element_ty), mask=c < n_cols)
     else:
         if FORWARD:
-            # online logsumexp with one max per chunk: one exp per element (the MUFU unit, not memory,
-            # bounds a per-element rescaling variant on the H200)
             sum_z = tl.zeros([BLOCK], dtype=tl.float32)
-            m = tl.max(sum_z, axis=0) - float("inf")  # fp32 scalar tensors (loop-carried types must match)
-            s = tl.sum(sum_z, axis=0)
+            if LANE_LSE:
+                # online logsumexp per lane: no reduction inside the loop, two exps per element
+                m_lane = sum_z - float("inf")
+                s_lane = tl.zeros([BLOCK], dtype=tl.float32)
+            else:
+                # online logsumexp with one max per chunk: one exp per element, two reductions per chunk
+                m = tl.max(sum_z, axis=0) - float("inf")  # fp32 scalar tensors (loop-carried types match)
+                s = tl.sum(sum_z, axis=0)
             for i in range(0, n_chunks):
                 c = i * BLOCK + cols
                 mask = c < n_cols
                 x = tl.load(x_row + c, mask=mask, other=0.0).to(tl.float32)
                 z, _ = _transform(x, inv_scaling, softcap, HAS_SOFTCAP)
                 z = tl.where(mask, z, float("-inf"))
-                m_new = tl.maximum(m, tl.max(z, axis=0))
-                s = s * tl.exp(m - m_new) + tl.sum(tl.exp(z - m_new), axis=0)
-                m = m_new
+                if LANE_LSE:
+                    # lanes that have only seen padding keep m = -inf and s = 0 (shift by 0, not by -inf)
+                    m_new = tl.maximum(m_lane, z)
+                    shift = tl.where(m_new > float("-inf"), m_new, 0.0)
+                    s_lane = s_lane * tl.exp(m_lane - shift) + tl.exp(z - shift)
+                    m_lane = m_new
+                else:
+                    m_new = tl.maximum(m, tl.max(z, axis=0))
+                    s = s * tl.exp(m - m_new) + tl.sum(tl.exp(z - m_new), axis=0)
+                    m = m_new
                 sum_z += tl.where(mask, z, 0.0)
+            if LANE_LSE:
+                m = tl.max(m_lane, axis=0)
+                s = tl.sum(s_lane * tl.exp(m_lane - m), axis=0)
             lse = m + tl.log(s)
-            x_t = tl.load(x_row + target).to(tl.float32)
+            # an out-of-range target (possible only with check_targets=False) poisons the loss with NaN
+            in_range = (target >= 0) & (target < n_cols)
+            x_t = tl.load(x_row + target, mask=in_range, other=float("nan")).to(tl.float32)
             z_t, _ = _transform(x_t, inv_scaling, softcap, HAS_SOFTCAP)
             loss = lse - z_t
             if label_smoothing > 0.0:
@@ -213,6 +231,7 @@ def ce_launch(logits, target, *, grad=None, dloss=None, lse=None, ignore_index=-
             n_rows, n_cols, ignore_index, float(label_smoothing), float(lse_square_scale), 1.0 / logits_scaling,
             float(softcap or 1.0),
             HAS_SOFTCAP=softcap is not None, FORWARD=forward, WRITE_GRAD=write_grad, BLOCK=block,
+            LANE_LSE=TUNING["lane_lse"],
             num_warps=min(TUNING["warps"], max(4, block // 128)),
         )
     return loss, lse, z_loss
@@ -352,7 +371,7 @@ def check_loss_options(op, reduction, label_smoothing, lse_square_scale, softcap
         raise ValueError(f"{op}: logits_scaling must be > 0, got {logits_scaling}")
 
 
-def check_targets(op, target, n_rows, n_classes, ignore_index, device):
+def _check_targets(op, target, n_rows, n_classes, ignore_index, device, check_range=True):
     if not isinstance(target, torch.Tensor) or target.dtype not in (torch.int64, torch.int32):
         got = target.dtype if isinstance(target, torch.Tensor) else type(target).__name__
         raise ValueError(f"{op}: target must be an int64 or int32 tensor, got {got}")
@@ -362,7 +381,7 @@ def check_targets(op, target, n_rows, n_classes, ignore_index, device):
     if n_rows == 0:
         raise ValueError(f"{op}: empty batch (0 rows): there is no loss to compute")
     check_same_device(op, rows=torch.empty(0, device=device), target=target)
-    if not torch.compiler.is_compiling():
+    if check_range and not torch.compiler.is_compiling():  # one host sync
         bad = (target != ignore_index) & ((target < 0) | (target >= n_classes))
         if bool(bad.any()):
             value = int(target[bad][0])
@@ -385,8 +404,13 @@ def cross_entropy(
     num_items_in_batch=None,
     return_z_loss: bool = False,
     inplace_backward: bool = False,
+    check_targets: bool = True,
 ):
-    """Cross-entropy of ``logits [..., V]`` against integer ``target [...]`` (see the module docstring)."""
+    """Cross-entropy of ``logits [..., V]`` against integer ``target [...]`` (see the module docstring).
+
+    ``check_targets`` raises a ValueError for targets outside [0, V) other than ignore_index; it costs one
+    host synchronisation. With ``check_targets=False`` such a row makes the loss NaN instead.
+    """
     op = "cross_entropy"
     check_float_tensor(op, "logits", logits)
     if logits.dim() < 1 or logits.shape[-1] == 0:
@@ -397,7 +421,7 @@ def cross_entropy(
     n_rows = logits.numel() // n_classes
     if isinstance(target, torch.Tensor) and target.shape != logits.shape[:-1] and target.numel() == n_rows:
         pass  # flat targets for [..., V] logits are accepted
-    check_targets(op, target, n_rows, n_classes, ignore_index, logits.device)
+    _check_targets(op, target, n_rows, n_classes, ignore_index, logits.device, check_targets)
     check_loss_options(op, reduction, label_smoothing, lse_square_scale, softcap, logits_scaling, num_items_in_batch)
     if inplace_backward and not logits.is_contiguous():
         raise ValueError(f"{op}: inplace_backward=True writes the gradient into logits, which must be contiguous")

@@ -17,7 +17,7 @@ from foak.ops._custom_op import custom_op
 from foak.ops.cross_entropy import (
     ce_launch,
     check_loss_options,
-    check_targets,
+    _check_targets,
     cross_entropy_reference,
     reduction_scale,
     scale_unless_one_,
@@ -251,7 +251,7 @@ def linear_cross_entropy(
         raise ValueError(
             f"{op}: target has shape {tuple(target.shape)}; expected hidden's leading shape {tuple(hidden.shape[:-1])}"
         )
-    check_targets(op, target, n_rows, weight.shape[0], ignore_index, hidden.device)
+    _check_targets(op, target, n_rows, weight.shape[0], ignore_index, hidden.device)
     check_loss_options(op, reduction, label_smoothing, lse_square_scale, softcap, logits_scaling, num_items_in_batch)
     options = dict(ignore_index=ignore_index, label_smoothing=float(label_smoothing),
                    lse_square_scale=float(lse_square_scale), logits_scaling=float(logits_scaling),
