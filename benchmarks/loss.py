@@ -20,14 +20,26 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from ops import (CHECKS, MiB, agreement, as_tuple, cuda_median_ms, fresh, fwd_bwd, header, log, nbytes,  # noqa: E402
-                 phase, record, rel_err, time_variant)
+import torch
+import torch.nn.functional as F
+from ops import (
+    CHECKS,
+    MiB,
+    agreement,
+    as_tuple,
+    cuda_median_ms,
+    fwd_bwd,
+    header,
+    log,
+    nbytes,
+    phase,
+    record,
+    rel_err,
+    time_variant,
+)
 
-import torch  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
-
-from foak.ops.cross_entropy import cross_entropy, cross_entropy_reference  # noqa: E402
-from foak.ops.linear_cross_entropy import linear_cross_entropy, linear_cross_entropy_reference  # noqa: E402
+from foak.ops.cross_entropy import cross_entropy, cross_entropy_reference
+from foak.ops.linear_cross_entropy import linear_cross_entropy, linear_cross_entropy_reference
 
 TOL = {torch.float32: 1e-4, torch.bfloat16: 2e-2}  # vs an fp32 reference of the same input values
 IGN = -100
@@ -168,8 +180,8 @@ def hf_checks(dev, dtype, B, S, H, V):
         w = (torch.randn(V, H, device=dev) * 2 / H**0.5).to(dtype).requires_grad_()
         loss_check(f"LCE shift=True == HF ForCausalLMLoss h[{B},{S},{H}] W[{V},{H}] num_items="
                    f"{None if n_items is None else int(n_items)}", dtype,
-                   lambda h, w: linear_cross_entropy(h, w, labels, shift=True, num_items_in_batch=n_items),
-                   lambda h, w: ForCausalLMLoss(h @ w.t(), labels, vocab_size=V, num_items_in_batch=n_items),
+                   lambda h, w, n=n_items: linear_cross_entropy(h, w, labels, shift=True, num_items_in_batch=n),
+                   lambda h, w, n=n_items: ForCausalLMLoss(h @ w.t(), labels, vocab_size=V, num_items_in_batch=n),
                    {"hidden": h, "weight": w})
 
 
@@ -204,7 +216,6 @@ def gemm_tflops(n=8192) -> float:
     a, b = (torch.randn(n, n, device="cuda", dtype=torch.bfloat16) for _ in range(2))
     c = torch.empty_like(a)
     ms = cuda_median_ms(lambda: torch.matmul(a, b, out=c), warmup=5, reps=20)
-    del a, b, c
     return 2 * n**3 / (ms * 1e-3) / 1e12
 
 
@@ -217,11 +228,11 @@ def load_liger():
         return None, None
     # apply(_input, target, weight, ignore_index, lse_square_scale, label_smoothing, reduction, softcap,
     #       return_z_loss, return_token_accuracy, return_predicted_tokens) -> (loss, z_loss, acc, pred)
-    ce = lambda x, t: CE.apply(x, t, None, IGN, 0.0, 0.0, "mean", None, False, False, False)[0]  # noqa: E731
+    ce = lambda x, t: CE.apply(x, t, None, IGN, 0.0, 0.0, "mean", None, False, False, False)[0]
     # apply(_input, weight, target, bias, ce_weight, ignore_index, lse_square_scale, label_smoothing, reduction,
     #       softcap, return_z_loss, accum_dtype, ...) -> (loss, ...); the rest left at their defaults, as in
     # liger's LigerFusedLinearCrossEntropyLoss module (accum_dtype None: grads accumulate in bf16)
-    lce = lambda h, w, t: LCE.apply(h, w, t, None, None, IGN, 0.0, 0.0, "mean", None, False, None)[0]  # noqa: E731
+    lce = lambda h, w, t: LCE.apply(h, w, t, None, None, IGN, 0.0, 0.0, "mean", None, False, None)[0]
     return ce, lce
 
 
@@ -320,8 +331,8 @@ def fmt(row):
 
 
 def summarise(timings) -> list[str]:
-    lines = ["| op | eager ms (MiB / MiB beyond grads) | compile | liger | foak | floor ms | "
-             "foak vs best of compile/liger |", "|---|---|---|---|---|---|---|"]
+    lines = [("| op | eager ms (MiB / MiB beyond grads) | compile | liger | foak | floor ms | "
+              "foak vs best of compile/liger |"), "|---|---|---|---|---|---|---|"]
     for op, rows in timings.items():
         v = rows["variants"]
         best = {n: min(r["runs_ms"]) for n, r in v.items() if r["runs_ms"] and "error" not in r}

@@ -31,11 +31,14 @@ OPTIONS = {
     "all+num_items": {"ignore_index": -1, "label_smoothing": 0.1, "lse_square_scale": 1e-2, "return_z_loss": True,
                       "softcap": 5.0, "logits_scaling": 2.5, "num_items_in_batch": torch.tensor(23)},
 }
+# fp32 for every option set; bf16 (slower, looser) for the ones that change the kernel's arithmetic most
+BF16_OPTIONS = ("z_loss", "softcap", "all", "all+num_items")
 OPTION_CASES = [
-    (name, reduction)
+    pytest.param(name, reduction, dtype, id=f"{name}-{reduction}-{str(dtype)[6:]}")
     for name, opts in OPTIONS.items()
     for reduction in REDUCTIONS
-    if reduction == "mean" or "num_items_in_batch" not in opts
+    for dtype in DTYPES
+    if (reduction == "mean" or "num_items_in_batch" not in opts) and (dtype == torch.float32 or name in BF16_OPTIONS)
 ]
 
 
@@ -140,8 +143,7 @@ def test_matches_reference_and_torch(shape, reduction, dtype):
     check_cross_entropy(logits, target, dtype, reduction=reduction)
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("name, reduction", OPTION_CASES)
+@pytest.mark.parametrize("name, reduction, dtype", OPTION_CASES)
 def test_options_alone_and_combined(name, reduction, dtype):
     opts = OPTIONS[name]
     logits, target = _inputs(13, 1000, dtype, opts.get("ignore_index", -100))
@@ -164,15 +166,15 @@ def test_options_change_the_loss():
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("options", ["plain", "all", "all+num_items"])
+@pytest.mark.parametrize("options", ["plain", "all+num_items"])  # sum: all options but num_items_in_batch
 @pytest.mark.parametrize("reduction", ["mean", "sum"])
 def test_upstream_gradient_not_one(reduction, options, dtype):
     opts = {} if options == "plain" else OPTIONS[options]
     if reduction == "sum":
         opts = {k: v for k, v in opts.items() if k != "num_items_in_batch"}
     logits, target = _inputs(37, 129, dtype, opts.get("ignore_index", -100))
-    check_cross_entropy(logits, target, dtype, upstream=3.5, reduction=reduction, **opts)
-    check_cross_entropy(logits, target, dtype, upstream=-0.25, reduction=reduction, **opts)
+    check_cross_entropy(logits, target, dtype, upstream=3.5 if dtype == torch.float32 else -0.25,
+                        reduction=reduction, **opts)
 
 
 def test_loss_times_constant_backward():

@@ -28,6 +28,7 @@ import triton.language as tl
 from foak.backend import use_triton
 from foak.ops._checks import check_float_tensor, check_same_device
 from foak.ops._custom_op import custom_op
+from foak.ops._inplace import claim
 
 REDUCTIONS = ("mean", "sum", "none")
 MAX_VOCAB = 1 << 20
@@ -439,6 +440,8 @@ def cross_entropy(
     scale = None if reduction == "none" else reduction_scale(valid.sum(), reduction, num_items_in_batch, logits.device)
     if torch.is_grad_enabled() and logits.requires_grad:
         inplace = bool(inplace_backward) and not torch.compiler.is_compiling()
+        if inplace:
+            claim(logits)  # an op that saved the logits earlier now fails loudly in its backward
         loss, z_loss = _CrossEntropyFunction.apply(logits2, target1, scale, options, reduction, inplace)
     else:
         rows, _, z_rows, _ = _forward_op(logits2, target1, _ONE(logits.device), **options, compute_grad=False)
