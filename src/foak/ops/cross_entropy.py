@@ -32,8 +32,9 @@ from foak.ops._inplace import claim
 
 REDUCTIONS = ("mean", "sum", "none")
 MAX_VOCAB = 1 << 20
-# Launch knobs, swept on the GPU by benchmarks/tune_ops.py.
-TUNING = {"block": 4096, "warps": 16, "programs_per_sm": 2, "lane_lse": False}
+# Launch knobs, swept on the GPU by benchmarks/tune_ops.py ([8192, 128256] bf16 on the H200: one program
+# per row, blocks of 2048 with 8 warps and per-lane logsumexp were fastest).
+TUNING = {"block": 2048, "warps": 8, "programs_per_sm": 0, "lane_lse": True}
 
 
 # 1. reference -------------------------------------------------------------------------------------
@@ -83,30 +84,30 @@ def _reduce(rows, valid, reduction, num_items_in_batch):
 
 # 2. kernels ---------------------------------------------------------------------------------------
 @triton.jit
-def _transform(x, inv_scaling, softcap, HAS_SOFTCAP: tl.constexpr):
-    """fp32 logits after scaling and soft-capping; also returns tanh (for the softcap derivative)."""
-    z = x * inv_scaling
-    th = z
+def _transform2(x, scale2, softcap, HAS_SOFTCAP: tl.constexpr):
+    """Transformed logits in base 2 (z * log2(e)) from fp32 ``x``; scale2 = log2(e) / logits_scaling.
+    Also returns tanh(z / softcap) for the softcap derivative."""
     if HAS_SOFTCAP:
+        z = x * (scale2 * 0.6931471805599453)
         th = 2.0 * tl.sigmoid(2.0 * z / softcap) - 1.0  # tanh without libdevice (runs in the interpreter)
-        z = softcap * th
-    return z, th
+        return softcap * th * 1.4426950408889634, th
+    return x * scale2, x
 
 
 @triton.jit
 def _cross_entropy_kernel(
     LOGITS, logits_stride, TARGET, GRAD, grad_stride, LOSS, LSE, ZLOSS, DLOSS, dloss_stride,
     n_rows, n_cols, ignore_index, label_smoothing, lse_square_scale, inv_scaling, softcap,
-    HAS_SOFTCAP: tl.constexpr, FORWARD: tl.constexpr, WRITE_GRAD: tl.constexpr, BLOCK: tl.constexpr,
-    LANE_LSE: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr, HAS_SMOOTHING: tl.constexpr, HAS_ZLOSS: tl.constexpr,
+    FORWARD: tl.constexpr, WRITE_GRAD: tl.constexpr, BLOCK: tl.constexpr, LANE_LSE: tl.constexpr,
 ):
-    # a persistent grid: few rows in flight per SM, so the gradient pass re-reads each row from L2
+    # a persistent grid when programs < rows (fewer rows in flight per SM)
     first = tl.program_id(0).to(tl.int64)
     for row in range(first, n_rows, tl.num_programs(0)):
         _cross_entropy_row(
             row, LOGITS, logits_stride, TARGET, GRAD, grad_stride, LOSS, LSE, ZLOSS, DLOSS, dloss_stride,
             n_cols, ignore_index, label_smoothing, lse_square_scale, inv_scaling, softcap,
-            HAS_SOFTCAP, FORWARD, WRITE_GRAD, BLOCK, LANE_LSE,
+            HAS_SOFTCAP, HAS_SMOOTHING, HAS_ZLOSS, FORWARD, WRITE_GRAD, BLOCK, LANE_LSE,
         )
 
 
@@ -114,12 +115,16 @@ def _cross_entropy_kernel(
 def _cross_entropy_row(
     row, LOGITS, logits_stride, TARGET, GRAD, grad_stride, LOSS, LSE, ZLOSS, DLOSS, dloss_stride,
     n_cols, ignore_index, label_smoothing, lse_square_scale, inv_scaling, softcap,
-    HAS_SOFTCAP: tl.constexpr, FORWARD: tl.constexpr, WRITE_GRAD: tl.constexpr, BLOCK: tl.constexpr,
-    LANE_LSE: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr, HAS_SMOOTHING: tl.constexpr, HAS_ZLOSS: tl.constexpr,
+    FORWARD: tl.constexpr, WRITE_GRAD: tl.constexpr, BLOCK: tl.constexpr, LANE_LSE: tl.constexpr,
 ):
     # FORWARD: logsumexp, loss and z-loss of the row. WRITE_GRAD: d(loss)/d(logits) times DLOSS[row]
     # (the reduction scale in the forward, the incoming per-row gradient in a reduction="none" backward).
-    target = tl.load(TARGET + row).to(tl.int64)
+    # Exponentials run in base 2 (exp2 is the hardware instruction): z2 = z * log2(e).
+    LOG2E: tl.constexpr = 1.4426950408889634
+    LN2: tl.constexpr = 0.6931471805599453
+    scale2 = inv_scaling * LOG2E
+    target = tl.load(TARGET + row)
     x_row = LOGITS + row * logits_stride
     g_row = GRAD + row * grad_stride
     cols = tl.arange(0, BLOCK)
@@ -135,60 +140,68 @@ def _cross_entropy_row(
                 tl.store(g_row + c, tl.zeros([BLOCK], dtype=GRAD.dtype.element_ty), mask=c < n_cols)
     else:
         if FORWARD:
-            sum_z = tl.zeros([BLOCK], dtype=tl.float32)
+            sum_z2 = tl.zeros([BLOCK], dtype=tl.float32)
             if LANE_LSE:
-                # online logsumexp per lane: no reduction inside the loop, two exps per element
-                m_lane = sum_z - float("inf")
+                # online logsumexp per lane: no reduction inside the loop, two exp2 per element
+                m_lane = sum_z2 - float("inf")
                 s_lane = tl.zeros([BLOCK], dtype=tl.float32)
             else:
-                # online logsumexp with one max per chunk: one exp per element, two reductions per chunk
-                m = tl.max(sum_z, axis=0) - float("inf")  # fp32 scalar tensors (loop-carried types match)
-                s = tl.sum(sum_z, axis=0)
+                # online logsumexp with one max per chunk: one exp2 per element, two reductions per chunk
+                m = tl.max(sum_z2, axis=0) - float("inf")  # fp32 scalar tensors (loop-carried types match)
+                s = tl.sum(sum_z2, axis=0)
             for i in range(0, n_chunks):
                 c = i * BLOCK + cols
                 mask = c < n_cols
                 x = tl.load(x_row + c, mask=mask, other=0.0).to(tl.float32)
-                z, _ = _transform(x, inv_scaling, softcap, HAS_SOFTCAP)
-                z = tl.where(mask, z, float("-inf"))
+                z2, _ = _transform2(x, scale2, softcap, HAS_SOFTCAP)
+                z2 = tl.where(mask, z2, float("-inf"))
                 if LANE_LSE:
                     # lanes that have only seen padding keep m = -inf and s = 0 (shift by 0, not by -inf)
-                    m_new = tl.maximum(m_lane, z)
+                    m_new = tl.maximum(m_lane, z2)
                     shift = tl.where(m_new > float("-inf"), m_new, 0.0)
-                    s_lane = s_lane * tl.exp(m_lane - shift) + tl.exp(z - shift)
+                    s_lane = s_lane * tl.exp2(m_lane - shift) + tl.exp2(z2 - shift)
                     m_lane = m_new
                 else:
-                    m_new = tl.maximum(m, tl.max(z, axis=0))
-                    s = s * tl.exp(m - m_new) + tl.sum(tl.exp(z - m_new), axis=0)
+                    m_new = tl.maximum(m, tl.max(z2, axis=0))
+                    s = s * tl.exp2(m - m_new) + tl.sum(tl.exp2(z2 - m_new), axis=0)
                     m = m_new
-                sum_z += tl.where(mask, z, 0.0)
+                if HAS_SMOOTHING:
+                    sum_z2 += tl.where(mask, z2, 0.0)
             if LANE_LSE:
                 m = tl.max(m_lane, axis=0)
-                s = tl.sum(s_lane * tl.exp(m_lane - m), axis=0)
-            lse = m + tl.log(s)
+                s = tl.sum(s_lane * tl.exp2(m_lane - m), axis=0)
+            lse2 = m + tl.log2(s)
+            lse = lse2 * LN2
             # an out-of-range target (possible only with check_targets=False) poisons the loss with NaN
             in_range = (target >= 0) & (target < n_cols)
             x_t = tl.load(x_row + target, mask=in_range, other=float("nan")).to(tl.float32)
-            z_t, _ = _transform(x_t, inv_scaling, softcap, HAS_SOFTCAP)
-            loss = lse - z_t
-            if label_smoothing > 0.0:
-                loss = (1.0 - label_smoothing) * loss + label_smoothing * (lse - tl.sum(sum_z, axis=0) / n_cols)
+            z2_t, _ = _transform2(x_t, scale2, softcap, HAS_SOFTCAP)
+            loss = lse - z2_t * LN2
+            if HAS_SMOOTHING:
+                mean_z = tl.sum(sum_z2, axis=0) * LN2 / n_cols
+                loss = (1.0 - label_smoothing) * loss + label_smoothing * (lse - mean_z)
             z_loss = lse_square_scale * lse * lse
             tl.store(LOSS + row, loss + z_loss)
             tl.store(LSE + row, lse)
             tl.store(ZLOSS + row, z_loss)
         else:
             lse = tl.load(LSE + row)
+            lse2 = lse * LOG2E
         if WRITE_GRAD:
             scale = tl.load(DLOSS + row * dloss_stride).to(tl.float32) * inv_scaling
-            p_coef = 1.0 + 2.0 * lse_square_scale * lse
-            uniform = label_smoothing / n_cols
+            target32 = target.to(tl.int32)
             # last chunks first: they are the ones the forward pass read most recently (still in L2)
             for i in range(0, n_chunks):
                 c = (n_chunks - 1 - i) * BLOCK + cols
                 mask = c < n_cols
                 x = tl.load(x_row + c, mask=mask, other=0.0).to(tl.float32)
-                z, th = _transform(x, inv_scaling, softcap, HAS_SOFTCAP)
-                g = tl.exp(z - lse) * p_coef - uniform - tl.where(c == target, 1.0 - label_smoothing, 0.0)
+                z2, th = _transform2(x, scale2, softcap, HAS_SOFTCAP)
+                g = tl.exp2(z2 - lse2)
+                if HAS_ZLOSS:
+                    g = g * (1.0 + 2.0 * lse_square_scale * lse)
+                if HAS_SMOOTHING:
+                    g = g - label_smoothing / n_cols
+                g = g - tl.where(c == target32, 1.0 - label_smoothing, 0.0)
                 if HAS_SOFTCAP:
                     g = g * (1.0 - th * th)
                 tl.store(g_row + c, (g * scale).to(GRAD.dtype.element_ty), mask=mask)
@@ -231,8 +244,8 @@ def ce_launch(logits, target, *, grad=None, dloss=None, lse=None, ignore_index=-
             dloss, dloss.stride(0) if dloss.dim() else 0,
             n_rows, n_cols, ignore_index, float(label_smoothing), float(lse_square_scale), 1.0 / logits_scaling,
             float(softcap or 1.0),
-            HAS_SOFTCAP=softcap is not None, FORWARD=forward, WRITE_GRAD=write_grad, BLOCK=block,
-            LANE_LSE=TUNING["lane_lse"],
+            HAS_SOFTCAP=softcap is not None, HAS_SMOOTHING=label_smoothing > 0, HAS_ZLOSS=lse_square_scale > 0,
+            FORWARD=forward, WRITE_GRAD=write_grad, BLOCK=block, LANE_LSE=TUNING["lane_lse"],
             num_warps=min(TUNING["warps"], max(4, block // 128)),
         )
     return loss, lse, z_loss
