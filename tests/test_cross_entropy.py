@@ -3,6 +3,7 @@ import torch
 import torch.nn.functional as F
 from transformers.loss.loss_utils import ForCausalLMLoss, fixed_cross_entropy
 
+import foak.ops.cross_entropy as ce_module
 from foak.ops.cross_entropy import cross_entropy, cross_entropy_reference
 from foak.testing import relative_error
 
@@ -227,6 +228,33 @@ def test_leading_dimensions(reduction, dtype):
     check_cross_entropy(logits, target, dtype, reduction=reduction, label_smoothing=0.1)
 
 
+@pytest.mark.parametrize("tuning", [{"block": 512, "lane_lse": True}, {"block": 512, "lane_lse": False},
+                                    {"lane_lse": False}], ids=["blocks-lane_lse", "blocks-chunk_lse", "chunk_lse"])
+def test_kernel_variants(tuning, monkeypatch):
+    # the launch knobs the GPU sweep picks from: several vocabulary blocks per row (with a partial last
+    # one) and both logsumexp variants must give the same numbers, whatever the current defaults are
+    for key, value in tuning.items():
+        assert key in ce_module.TUNING, key
+        monkeypatch.setitem(ce_module.TUNING, key, value)
+    opts = {"label_smoothing": 0.1, "lse_square_scale": 1e-2, "return_z_loss": True, "softcap": 5.0}
+    for n, vocab in ((13, 1000), (3, 5003)):
+        logits, target = _inputs(n, vocab)
+        check_cross_entropy(logits, target, reduction="none")
+        for reduction in REDUCTIONS:
+            check_cross_entropy(logits, target, reduction=reduction, **opts)
+        check_cross_entropy(logits, target, torch.bfloat16, reduction="mean", **opts)
+
+
+@pytest.mark.parametrize("vocab", [1, 2, 3])
+def test_tiny_vocabulary(vocab):
+    logits = torch.randn(7, vocab) * 3
+    target = torch.randint(0, vocab, (7,))
+    target[2] = -100
+    for reduction in REDUCTIONS:
+        check_cross_entropy(logits, target, reduction=reduction)
+        check_cross_entropy(logits, target, reduction=reduction, label_smoothing=0.1, lse_square_scale=1e-2)
+
+
 def test_int32_target():
     logits, target = _inputs(37, 129)
     for reduction in REDUCTIONS:
@@ -383,6 +411,20 @@ def test_inplace_backward_gradient(reduction, dtype):
     assert relative_error(g_logits, gr) <= tol
     assert relative_error(g_h, gr @ w.detach().float()) <= tol
     assert relative_error(g_w, gr.t() @ h.detach().float()) <= tol
+
+
+@pytest.mark.parametrize("reduction", REDUCTIONS)
+def test_inplace_backward_allocates_no_gradient_buffer(reduction):
+    # the gradient that reaches the logits' producer (here the LM head matmul) is the logits' own memory
+    h = torch.randn(13, 33, requires_grad=True)
+    w = torch.randn(1000, 33, requires_grad=True)
+    logits = h @ w.t()
+    logits_ptr = logits.data_ptr()
+    seen = []
+    logits.register_hook(lambda g: seen.append(g.data_ptr()))
+    loss = cross_entropy(logits, make_target(13, 1000), reduction=reduction, inplace_backward=True)
+    loss.backward(torch.ones_like(loss))
+    assert seen == [logits_ptr]
 
 
 def test_inplace_backward_is_loud_when_another_op_saved_the_logits():

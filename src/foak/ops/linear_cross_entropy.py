@@ -70,19 +70,27 @@ def _chunked_pass(hidden, weight, bias, target, valid_rows, options, dloss, lse=
     dw = torch.zeros_like(weight) if want_dw else None
     db = torch.zeros(weight.shape[0], **f32) if want_db else None
     write_grad = want_dh or want_dw or want_db
-    step = _rows_per_chunk(weight.shape[0], hidden.element_size())
+    step = min(_rows_per_chunk(weight.shape[0], hidden.element_size()), max(n_valid, 1))
+    # one set of chunk buffers, reused: a new chunk never coexists with the previous one
+    logits_buf = hidden.new_empty((step, weight.shape[0]))
+    h_buf = hidden.new_empty((step, hidden.shape[1]))
+    dh_buf = hidden.new_empty((step, hidden.shape[1])) if want_dh else None
     for start in range(0, n_valid, step):
         end = min(start + step, n_valid)
         rows = valid_rows[start:end]
-        h = hidden.index_select(0, rows)
-        logits = torch.addmm(bias, h, weight.t()) if bias is not None else h @ weight.t()
+        h = torch.index_select(hidden, 0, rows, out=h_buf[: end - start])
+        logits = logits_buf[: end - start]
+        if bias is not None:
+            torch.addmm(bias, h, weight.t(), out=logits)
+        else:
+            torch.mm(h, weight.t(), out=logits)
         d = dloss if dloss.dim() == 0 else dloss[start:end]
         out = ce_launch(logits, target.index_select(0, rows), grad=logits if write_grad else None, dloss=d,
                         lse=None if forward else lse[start:end], **options)
         if forward:
             loss[start:end], lse[start:end], z_loss[start:end] = out
         if want_dh:
-            dh.index_copy_(0, rows, logits @ weight)
+            dh.index_copy_(0, rows, torch.mm(logits, weight, out=dh_buf[: end - start]))
         if want_dw:
             dw.addmm_(logits.t(), h)
         if want_db:
