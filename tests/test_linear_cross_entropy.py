@@ -67,7 +67,7 @@ def check_linear_cross_entropy(hidden, weight, target, bias=None, dtype=torch.fl
         assert loss.dim() == 0
     if opts.get("return_z_loss"):
         assert not z_loss.requires_grad
-    up32 = lambda t: t.float() if t is not None else None  # noqa: E731
+    up32 = lambda t: t.float() if t is not None else None
     errors = {}
     for ref_name, expected_fn in (("reference", linear_cross_entropy_reference),
                                   ("torch", torch_linear_cross_entropy)):
@@ -101,7 +101,7 @@ def test_options_alone_and_combined(name, reduction, dtype):
     target = make_target(13, 1000, opts.get("ignore_index", -100))
     if opts.get("ignore_index") == 7:
         target[4] = 7
-    loss, z_loss, _ = check_linear_cross_entropy(hidden, weight, target, b, dtype, reduction=reduction, **opts)
+    _, z_loss, _ = check_linear_cross_entropy(hidden, weight, target, b, dtype, reduction=reduction, **opts)
     if opts.get("lse_square_scale"):
         assert (z_loss != 0).any()
 
@@ -192,7 +192,7 @@ def test_shift_matches_hf_for_causal_lm_loss(bias, ignore_index, num_items, dtyp
     opts = {"ignore_index": ignore_index, "num_items_in_batch": num_items}
     loss, _, grads = _loss_and_grads(linear_cross_entropy, hidden, weight, labels, b, torch.tensor(1.0), shift=True,
                                      **opts)
-    up32 = lambda t: t.float() if t is not None else None  # noqa: E731
+    up32 = lambda t: t.float() if t is not None else None
     hf_loss, _, hf_grads = _loss_and_grads(torch_linear_cross_entropy, up32(hidden), up32(weight), labels, up32(b),
                                            torch.tensor(1.0), shift=True, **opts)
     tol = TOL[dtype]
@@ -355,13 +355,13 @@ def test_non_contiguous_hidden(layout):
     _, weight, b = make_inputs(n, h_, vocab)
     if layout == "column_slice":
         base = torch.randn(n, h_ + 7)
-        take = lambda t: t[:, 3:3 + h_]  # noqa: E731
+        take = lambda t: t[:, 3:3 + h_]
     elif layout == "transposed":
         base = torch.randn(h_, n)
-        take = lambda t: t.t()  # noqa: E731
+        take = lambda t: t.t()
     else:
         base = torch.randn(2, 8, h_)  # hidden_states[:, 1:] of [B, S + 1, H]
-        take = lambda t: t[:, 1:]  # noqa: E731
+        take = lambda t: t[:, 1:]
     lead = take(base).shape[:-1]
     target = make_target(lead.numel(), vocab).reshape(lead)
     for reduction in REDUCTIONS:
