@@ -135,7 +135,7 @@ def _cross_entropy_row(
             tl.store(LSE + row, 0.0)
             tl.store(ZLOSS + row, 0.0)
         if WRITE_GRAD:
-            for i in range(0, n_chunks):
+            for i in range(n_chunks):
                 c = i * BLOCK + cols
                 tl.store(g_row + c, tl.zeros([BLOCK], dtype=GRAD.dtype.element_ty), mask=c < n_cols)
     else:
@@ -149,7 +149,7 @@ def _cross_entropy_row(
                 # online logsumexp with one max per chunk: one exp2 per element, two reductions per chunk
                 m = tl.max(sum_z2, axis=0) - float("inf")  # fp32 scalar tensors (loop-carried types match)
                 s = tl.sum(sum_z2, axis=0)
-            for i in range(0, n_chunks):
+            for i in range(n_chunks):
                 c = i * BLOCK + cols
                 mask = c < n_cols
                 x = tl.load(x_row + c, mask=mask, other=0.0).to(tl.float32)
@@ -191,7 +191,7 @@ def _cross_entropy_row(
             scale = tl.load(DLOSS + row * dloss_stride).to(tl.float32) * inv_scaling
             target32 = target.to(tl.int32)
             # last chunks first: they are the ones the forward pass read most recently (still in L2)
-            for i in range(0, n_chunks):
+            for i in range(n_chunks):
                 c = (n_chunks - 1 - i) * BLOCK + cols
                 mask = c < n_cols
                 x = tl.load(x_row + c, mask=mask, other=0.0).to(tl.float32)
@@ -251,7 +251,7 @@ def ce_launch(logits, target, *, grad=None, dloss=None, lse=None, ignore_index=-
     return loss, lse, z_loss
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _sm_count(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
@@ -445,16 +445,19 @@ def cross_entropy(
     if not use_triton(logits.device):
         return cross_entropy_reference(logits, target, reduction=reduction, num_items_in_batch=num_items_in_batch,
                                        return_z_loss=return_z_loss, **options)
+    training = torch.is_grad_enabled() and logits.requires_grad
+    inplace = training and bool(inplace_backward) and not torch.compiler.is_compiling()
+    if inplace:
+        # before any view of the logits exists (bumping the version of a viewed tensor turns the view's
+        # backward into a copying AsStrided): an op that saved the logits earlier now fails loudly
+        claim(logits)
     logits2 = logits.reshape(-1, n_classes)
     if logits2.stride(-1) != 1:
         logits2 = logits2.contiguous()
     target1 = target.reshape(-1)
     valid = target1 != ignore_index
     scale = None if reduction == "none" else reduction_scale(valid.sum(), reduction, num_items_in_batch, logits.device)
-    if torch.is_grad_enabled() and logits.requires_grad:
-        inplace = bool(inplace_backward) and not torch.compiler.is_compiling()
-        if inplace:
-            claim(logits)  # an op that saved the logits earlier now fails loudly in its backward
+    if training:
         loss, z_loss = _CrossEntropyFunction.apply(logits2, target1, scale, options, reduction, inplace)
     else:
         rows, _, z_rows, _ = _forward_op(logits2, target1, _ONE(logits.device), **options, compute_grad=False)

@@ -15,9 +15,9 @@ from foak.backend import use_triton
 from foak.ops._checks import check_float_tensor, check_same_device, check_same_dtype
 from foak.ops._custom_op import custom_op
 from foak.ops.cross_entropy import (
+    _check_targets,
     ce_launch,
     check_loss_options,
-    _check_targets,
     cross_entropy_reference,
     reduction_scale,
     scale_unless_one_,
