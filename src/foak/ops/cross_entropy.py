@@ -385,6 +385,13 @@ def check_loss_options(op, reduction, label_smoothing, lse_square_scale, softcap
         raise ValueError(f"{op}: logits_scaling must be > 0, got {logits_scaling}")
 
 
+def loss_options(ignore_index, label_smoothing, lse_square_scale, logits_scaling, softcap) -> dict:
+    """The keyword arguments of ce_launch, normalised to Python numbers."""
+    return {"ignore_index": int(ignore_index), "label_smoothing": float(label_smoothing),
+            "lse_square_scale": float(lse_square_scale), "logits_scaling": float(logits_scaling),
+            "softcap": None if softcap is None else float(softcap)}
+
+
 def _check_targets(op, target, n_rows, n_classes, ignore_index, device, check_range=True):
     if not isinstance(target, torch.Tensor) or target.dtype not in (torch.int64, torch.int32):
         got = target.dtype if isinstance(target, torch.Tensor) else type(target).__name__
@@ -439,9 +446,7 @@ def cross_entropy(
     check_loss_options(op, reduction, label_smoothing, lse_square_scale, softcap, logits_scaling, num_items_in_batch)
     if inplace_backward and not logits.is_contiguous():
         raise ValueError(f"{op}: inplace_backward=True writes the gradient into logits, which must be contiguous")
-    options = dict(ignore_index=ignore_index, label_smoothing=float(label_smoothing),
-                   lse_square_scale=float(lse_square_scale), logits_scaling=float(logits_scaling),
-                   softcap=None if softcap is None else float(softcap))
+    options = loss_options(ignore_index, label_smoothing, lse_square_scale, logits_scaling, softcap)
     if not use_triton(logits.device):
         return cross_entropy_reference(logits, target, reduction=reduction, num_items_in_batch=num_items_in_batch,
                                        return_z_loss=return_z_loss, **options)

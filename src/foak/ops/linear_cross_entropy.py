@@ -19,6 +19,7 @@ from foak.ops.cross_entropy import (
     ce_launch,
     check_loss_options,
     cross_entropy_reference,
+    loss_options,
     reduction_scale,
     scale_unless_one_,
 )
@@ -264,9 +265,7 @@ def linear_cross_entropy(
         )
     _check_targets(op, target, n_rows, weight.shape[0], ignore_index, hidden.device)
     check_loss_options(op, reduction, label_smoothing, lse_square_scale, softcap, logits_scaling, num_items_in_batch)
-    options = dict(ignore_index=ignore_index, label_smoothing=float(label_smoothing),
-                   lse_square_scale=float(lse_square_scale), logits_scaling=float(logits_scaling),
-                   softcap=None if softcap is None else float(softcap))
+    options = loss_options(ignore_index, label_smoothing, lse_square_scale, logits_scaling, softcap)
     if not use_triton(hidden.device):
         return linear_cross_entropy_reference(hidden, weight, target, bias, reduction=reduction,
                                               num_items_in_batch=num_items_in_batch, return_z_loss=return_z_loss,
