@@ -478,3 +478,16 @@ def test_bad_input(kwargs, message):
     logits, target = args.pop("logits"), args.pop("target")
     with pytest.raises(ValueError, match=f"(?i){message}"):
         cross_entropy(logits, target, **args)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_largest_vocabulary_not_a_multiple_of_any_block(dtype):
+    # V = 262144 + 3 (the upper size), two rows, one of them ignored-free
+    logits = (torch.randn(2, 262147) * 2).to(dtype).requires_grad_()
+    target = torch.tensor([262146, 5])
+    loss = cross_entropy(logits, target, label_smoothing=0.05)
+    (grad,) = torch.autograd.grad(loss, logits)
+    ref_in = logits.detach().float().requires_grad_()
+    ref = cross_entropy_reference(ref_in, target, label_smoothing=0.05)
+    (ref_grad,) = torch.autograd.grad(ref, ref_in)
+    assert relative_error(loss, ref) <= TOL[dtype] and relative_error(grad, ref_grad) <= TOL[dtype]

@@ -54,6 +54,9 @@ def _opcheck_cases():
     q, k = torch.randn(2, 3, 7, 16), torch.randn(2, 1, 7, 16)
     cos, sin = torch.rand(1, 7, 12), torch.rand(1, 7, 12)
     g, u = torch.randn(6, 19), torch.randn(6, 19)
+    logits, target = torch.randn(7, 301), torch.tensor([3, -100, 0, 300, 17, -100, 5])
+    hidden, head = torch.randn(7, 13), torch.randn(301, 13)
+    lce_key = repr((-100, 0.0, 0.0, 1.0, None))
     ops = torch.ops.foak
     return [
         (ops.rms_norm_forward, (x, w, None, 1e-6, "llama")),
@@ -64,6 +67,12 @@ def _opcheck_cases():
         (ops.rope, (q, k, torch.rand(9, 12), torch.rand(9, 12), torch.tensor([[0, 1, 2, 0, 1, 2, 3]]), True)),
         (ops.glu_forward, (g, u, "silu")),
         (ops.glu_backward, (torch.randn(6, 19), g, u, "gelu")),
+        (ops.cross_entropy_forward, (logits, target, torch.tensor(0.2), -100, 0.1, 1e-3, 2.0, 5.0, True)),
+        (ops.cross_entropy_forward, (logits, target, torch.tensor(1.0), -100, 0.0, 0.0, 1.0, None, False)),
+        (ops.cross_entropy_backward, (torch.randn(7), logits, target, torch.randn(7), -100, 0.0, 0.0, 1.0, None)),
+        (ops.linear_cross_entropy_forward, (hidden, head, None, target, torch.tensor(0.5), lce_key, True, True, False)),
+        (ops.linear_cross_entropy_backward, (torch.randn(7), hidden, head, torch.randn(301), target, torch.randn(7),
+                                             lce_key, True, False, True)),
     ]
 
 
@@ -105,6 +114,34 @@ def test_torch_compile_fullgraph_traces_through_all_ops():
     for op in ("rms_norm_forward", "rms_norm_backward", "rope", "glu_forward", "glu_backward"):
         assert f"torch.ops.foak.{op}" in traced, op
     out_e, grads_e = run(block)
+    assert relative_error(out_c, out_e) < 1e-6
+    for gc, ge in zip(grads_c, grads_e):
+        assert relative_error(gc, ge) < 1e-6
+
+
+def test_torch_compile_fullgraph_traces_through_the_losses():
+    from foak.ops.cross_entropy import cross_entropy
+    from foak.ops.linear_cross_entropy import linear_cross_entropy
+
+    def losses(logits, hidden, head, target):
+        ce = cross_entropy(logits, target, label_smoothing=0.1, check_targets=False)
+        rows = cross_entropy(logits * 2.0, target, reduction="none", check_targets=False)
+        return ce + rows.square().sum() + linear_cross_entropy(hidden, head, target, lse_square_scale=1e-3)
+
+    torch.manual_seed(0)
+    inputs = [torch.randn(9, 301), torch.randn(9, 13), torch.randn(301, 13) * 0.3]
+    target = torch.tensor([3, -100, 0, 300, 17, -100, 5, 8, 9])
+
+    def run(fn):
+        leaves = [t.clone().requires_grad_() for t in inputs]
+        out = fn(*leaves, target)
+        return out, torch.autograd.grad(out, leaves)
+
+    torch._dynamo.reset()
+    # check_targets=False: the range check's host sync is a graph break; linear_cross_entropy's own check
+    # is skipped while compiling (its custom op validates nothing it could not trace)
+    out_c, grads_c = run(torch.compile(losses, fullgraph=True, backend="aot_eager"))
+    out_e, grads_e = run(losses)
     assert relative_error(out_c, out_e) < 1e-6
     for gc, ge in zip(grads_c, grads_e):
         assert relative_error(gc, ge) < 1e-6
