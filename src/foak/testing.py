@@ -14,6 +14,8 @@ from dataclasses import dataclass, field
 import torch
 
 from foak.ops.activations import glu, glu_reference
+from foak.ops.cross_entropy import cross_entropy, cross_entropy_reference
+from foak.ops.linear_cross_entropy import linear_cross_entropy, linear_cross_entropy_reference
 from foak.ops.rms_norm import rms_norm, rms_norm_reference
 from foak.ops.rope import rope, rope_reference
 
@@ -151,6 +153,37 @@ def glu_case(shape, activation="silu", chunked=False, name=None) -> Case:
     return Case("glu", label, call(glu), call(glu_reference), make)
 
 
+def _describe(options: dict) -> str:
+    return " ".join(f"{k}={v}" for k, v in options.items())
+
+
+def _targets(n, n_classes, gen, device):
+    target = torch.randint(0, n_classes, (n,), generator=gen)
+    target[torch.randperm(n, generator=gen)[: max(1, n // 7)]] = -100  # some rows ignored
+    return target.to(device)
+
+
+def cross_entropy_case(n, n_classes, name=None, **options) -> Case:
+    def make(dtype, device, gen):
+        return {"logits": _randn((n, n_classes), dtype, device, gen, 2.0),
+                "target": _targets(n, n_classes, gen, device)}, ("logits",)
+
+    label = name or f"[{n}, {n_classes}] {_describe(options)}".strip()
+    return Case("cross_entropy", label, lambda **kw: cross_entropy(**kw, **options),
+                lambda **kw: cross_entropy_reference(**kw, **options), make)
+
+
+def linear_cross_entropy_case(n, hidden_size, n_classes, name=None, **options) -> Case:
+    def make(dtype, device, gen):
+        return {"hidden": _randn((n, hidden_size), dtype, device, gen),
+                "weight": _randn((n_classes, hidden_size), dtype, device, gen, 0.3),
+                "target": _targets(n, n_classes, gen, device)}, ("hidden", "weight")
+
+    label = name or f"h[{n}, {hidden_size}] W[{n_classes}, {hidden_size}] {_describe(options)}".strip()
+    return Case("linear_cross_entropy", label, lambda **kw: linear_cross_entropy(**kw, **options),
+                lambda **kw: linear_cross_entropy_reference(**kw, **options), make)
+
+
 def self_check_cases() -> list[Case]:
     """Small odd-shaped cases covering every op and variant (used by ``foak verify --ops``)."""
     return [
@@ -162,6 +195,8 @@ def self_check_cases() -> list[Case]:
         glu_case((37, 129), "silu"),
         glu_case((5, 67), "gelu"),
         glu_case((5, 67), "gelu_tanh", chunked=True),
+        cross_entropy_case(13, 1003, label_smoothing=0.1, lse_square_scale=1e-3, softcap=5.0),
+        linear_cross_entropy_case(13, 33, 1003, reduction="sum"),
     ]
 
 
