@@ -1,7 +1,9 @@
 """foak — Fused Operations And Kernels for fine-tuning LLMs in the HuggingFace stack."""
 
 from foak.backend import get_backend, set_backend
-from foak.ops import cross_entropy, geglu, linear_cross_entropy, rms_norm, rope, swiglu
+from foak.ops import geglu, rms_norm, rope, swiglu
+from foak.ops.cross_entropy import cross_entropy
+from foak.ops.linear_cross_entropy import linear_cross_entropy
 
 __version__ = "0.1.0"
 __all__ = [
