@@ -4,6 +4,7 @@ from foak.backend import get_backend, set_backend
 from foak.ops import geglu, rms_norm, rope, swiglu
 from foak.ops.cross_entropy import cross_entropy
 from foak.ops.linear_cross_entropy import linear_cross_entropy
+from foak.patching import patch, restore
 
 __version__ = "0.1.0"
 __all__ = [
@@ -12,6 +13,8 @@ __all__ = [
     "geglu",
     "get_backend",
     "linear_cross_entropy",
+    "patch",
+    "restore",
     "rms_norm",
     "rope",
     "set_backend",

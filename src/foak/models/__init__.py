@@ -1,0 +1,46 @@
+"""One small declarative file per architecture: which foak rules apply to which module classes.
+
+``rules_for(model)`` looks the model's ``config.model_type`` up here. Adding an architecture = one file
+with a ``rules()`` function and one line in ``ARCHITECTURES``.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+# model_type -> module holding its rules
+ARCHITECTURES = {
+    "llama": "foak.models.llama",
+    "mistral": "foak.models.mistral",
+    "mixtral": "foak.models.mixtral",
+    "granite": "foak.models.granite",
+    "granitemoe": "foak.models.granitemoe",
+    "gpt_bigcode": "foak.models.gpt_bigcode",
+    "qwen2": "foak.models.qwen2",
+    "qwen3": "foak.models.qwen3",
+    "qwen3_moe": "foak.models.qwen3_moe",
+}
+
+
+def model_type_of(model) -> str:
+    config = getattr(model, "config", None)
+    model_type = getattr(config, "model_type", None)
+    if not model_type:
+        raise ValueError(
+            f"foak can only patch HuggingFace models with a config.model_type; got {type(model).__name__}"
+        )
+    return model_type
+
+
+def rules_for(model):
+    """The Rules of the model's architecture; a clear ValueError for an architecture foak does not know."""
+    model_type = model_type_of(model)
+    if model_type not in ARCHITECTURES:
+        classes = sorted({type(m).__name__ for m in model.modules() if type(m).__module__.startswith("transformers")})
+        raise ValueError(
+            f"foak has no rules for model_type {model_type!r} ({type(model).__name__}); nothing was patched. "
+            f"Supported architectures: {', '.join(sorted(ARCHITECTURES))}. Its modules ({', '.join(classes[:12])}"
+            f"{', ...' if len(classes) > 12 else ''}) could be covered by adding foak/models/{model_type}.py "
+            "with the rule factories of foak.patching.replacements."
+        )
+    return importlib.import_module(ARCHITECTURES[model_type]).rules()

@@ -1,0 +1,46 @@
+"""Patching: the generic mechanism (rules.py), the shared rule factories (replacements.py) and the
+public entry points ``patch`` / ``restore``."""
+
+from __future__ import annotations
+
+from foak.patching.rules import PatchReport, Rule, RuleResult, Trigger, apply, is_patched, restore
+
+# config switches with no implementation yet: enabling one is an error, never a silent no-op
+NOT_IMPLEMENTED = {
+    "lora": "fused_lora (fused LoRA kernels) is not implemented yet",
+    "moe": "fast_moe (fused MoE experts) is not implemented yet",
+}
+
+
+def patch(model, config=None, **switches) -> PatchReport:
+    """Patch a loaded HF causal LM with foak's kernels, as ``config`` (a path to the acceleration YAML, its
+    parsed dict, an AccelerationConfig) or keyword switches (``fast_rms_layernorm=True, ...``) ask.
+
+    Returns the PatchReport (print it for the table). Applying twice is a no-op; ``restore`` undoes it.
+    """
+    from foak.config import config_from_kwargs, load_config
+    from foak.models import model_type_of, rules_for
+
+    if config is not None and switches:
+        raise ValueError("foak.patch: pass either a config or keyword switches, not both")
+    cfg = load_config(config) if config is not None else config_from_kwargs(**switches)
+    enabled = cfg.enabled_rules()
+    missing = [NOT_IMPLEMENTED[s] for s in sorted(enabled & NOT_IMPLEMENTED.keys())]
+    if cfg.base_layer != "none":
+        missing.append(f"base_layer: {cfg.base_layer} (quantized base layers) is not implemented yet")
+    if missing:
+        raise ValueError("foak.patch: " + "; ".join(missing) + ". Remove these switches from the config.")
+    if not enabled:
+        raise ValueError("foak.patch: the config enables no kernel; nothing to patch")
+    model_type = model_type_of(model)
+    rules = rules_for(model)
+    report = apply(model, [r for r in rules if r.switch in enabled], model_type)
+    available = {r.switch for r in rules}
+    for switch in sorted(enabled - available):
+        if not any(r.switch == switch for r in report.results):
+            report.results.append(RuleResult(f"{model_type}.{switch}", switch, 0, "-",
+                                             f"no rule for {model_type} (see foak/models/{model_type}.py)"))
+    return report
+
+
+__all__ = ["PatchReport", "Rule", "RuleResult", "Trigger", "apply", "is_patched", "patch", "restore"]

@@ -1,0 +1,264 @@
+"""Rule factories for the patterns decoder LLMs share; models/ files combine them per architecture.
+
+Each factory returns Rules whose ``patch`` builds a replacement forward around foak's ops. They rely on
+the module's own attributes (``weight``, ``gate_proj``...) and never copy a HuggingFace forward: the RoPE
+and loss rules wrap the original forward and change only the one call they accelerate.
+"""
+
+from __future__ import annotations
+
+import contextvars
+import sys
+import threading
+
+import torch
+from torch import nn
+
+from foak.ops.activations import glu
+from foak.ops.cross_entropy import cross_entropy
+from foak.ops.linear_cross_entropy import linear_cross_entropy
+from foak.ops.rms_norm import rms_norm
+from foak.ops.rope import rope
+from foak.patching.rules import Rule, Trigger
+
+# ---- RMSNorm ---------------------------------------------------------------------------------------
+
+
+def rms_norm_rule(arch: str, norm_class: type, mode: str = "llama") -> Rule:
+    def patch(module, model, state):
+        eps = getattr(module, "variance_epsilon", getattr(module, "eps", None))
+        if eps is None:
+            raise ValueError(f"{arch}.rms_norm: {type(module).__name__} has no variance_epsilon/eps attribute")
+
+        def forward(hidden_states):
+            return rms_norm(hidden_states, module.weight, eps, mode)
+
+        return forward
+
+    return Rule(f"{arch}.rms_norm", "rms_norm", Trigger(norm_class), patch)
+
+
+# ---- gated MLP ---------------------------------------------------------------------------------------
+# HF activation names -> foak.ops.activations.glu activations
+GLU_ACTIVATIONS = {"silu": "silu", "swish": "silu", "gelu": "gelu", "gelu_pytorch_tanh": "gelu_tanh",
+                   "gelu_new": "gelu_tanh", "gelu_fast": "gelu_tanh"}
+
+
+def _hidden_act(model: nn.Module) -> str:
+    return getattr(model.config, "hidden_act", None) or getattr(model.config, "hidden_activation", "")
+
+
+def glu_mlp_rule(arch: str, mlp_class: type) -> Rule:
+    """``down_proj(act(gate_proj(x)) * up_proj(x))`` with act and product fused (SwiGLU / GeGLU)."""
+
+    def skip_reason(model):
+        act = _hidden_act(model)
+        if act not in GLU_ACTIVATIONS:
+            return f"hidden_act {act!r} has no fused gated kernel (supported: {sorted(GLU_ACTIVATIONS)})"
+        return None
+
+    def patch(module, model, state):
+        activation = GLU_ACTIVATIONS[_hidden_act(model)]
+
+        def forward(x):
+            return module.down_proj(glu(module.gate_proj(x), module.up_proj(x), activation))
+
+        return forward
+
+    has_projections = lambda m, model: all(hasattr(m, p) for p in ("gate_proj", "up_proj", "down_proj"))  # noqa: E731
+    return Rule(f"{arch}.swiglu", "swiglu", Trigger(mlp_class, predicate=has_projections), patch, skip_reason)
+
+
+# ---- RoPE --------------------------------------------------------------------------------------------
+# The modeling files look ``apply_rotary_pos_emb`` up in their module globals at call time. foak swaps
+# that global for a dispatcher that runs foak's kernel only inside the forward of a patched attention
+# module (a context variable marks it) and the original everywhere else, so an unpatched model in the
+# same process computes exactly what it did. The global is restored when the last model using it is.
+_ROPE_ACTIVE = contextvars.ContextVar("foak_rope_active", default=False)
+_rope_lock = threading.Lock()
+_rope_installs: dict[tuple[str, str], list] = {}  # (module, name) -> [original, refcount]
+
+
+def _foak_apply_rotary_pos_emb(original):
+    def apply_rotary_pos_emb(q, k, cos, sin, *args, **kwargs):
+        if not _ROPE_ACTIVE.get():
+            return original(q, k, cos, sin, *args, **kwargs)
+        unsqueeze_dim = kwargs.pop("unsqueeze_dim", args[0] if args else 1)
+        if kwargs or len(args) > 1:
+            raise TypeError(f"foak rope: unexpected arguments {args[1:]}, {kwargs} for apply_rotary_pos_emb")
+        if unsqueeze_dim == 2:  # q, k laid out [B, S, H, D]
+            q_out, k_out = rope(q.transpose(1, 2), k.transpose(1, 2), cos, sin)
+            return q_out.transpose(1, 2), k_out.transpose(1, 2)
+        if unsqueeze_dim != 1:
+            raise ValueError(f"foak rope: unsqueeze_dim={unsqueeze_dim} is not supported (1 or 2)")
+        return rope(q, k, cos, sin)
+
+    apply_rotary_pos_emb.__foak_original__ = original
+    return apply_rotary_pos_emb
+
+
+def _install_rope(module_name: str, attr: str) -> None:
+    with _rope_lock:
+        key = (module_name, attr)
+        entry = _rope_installs.get(key)
+        if entry is None:
+            module = sys.modules[module_name]
+            original = getattr(module, attr)
+            setattr(module, attr, _foak_apply_rotary_pos_emb(original))
+            entry = _rope_installs[key] = [original, 0]
+        entry[1] += 1
+
+
+def _uninstall_rope(module_name: str, attr: str) -> None:
+    with _rope_lock:
+        key = (module_name, attr)
+        entry = _rope_installs[key]
+        entry[1] -= 1
+        if entry[1] == 0:
+            setattr(sys.modules[module_name], attr, entry[0])
+            del _rope_installs[key]
+
+
+def rope_rule(arch: str, attention_class: type, function_name: str = "apply_rotary_pos_emb") -> Rule:
+    module_name = attention_class.__module__
+
+    def skip_reason(model):
+        if not callable(getattr(sys.modules[module_name], function_name, None)):
+            return f"{module_name} has no {function_name} to route through foak"
+        return None
+
+    def patch(module, model, state):
+        _install_rope(module_name, function_name)
+        state.on_restore(lambda: _uninstall_rope(module_name, function_name))
+        original_forward = module.forward
+
+        def forward(*args, **kwargs):
+            token = _ROPE_ACTIVE.set(True)
+            try:
+                return original_forward(*args, **kwargs)
+            finally:
+                _ROPE_ACTIVE.reset(token)
+
+        return forward
+
+    return Rule(f"{arch}.rope", "rope", Trigger(attention_class), patch, skip_reason)
+
+
+# ---- loss --------------------------------------------------------------------------------------------
+# fused_linear_loss: while a patched causal LM computes a training loss (labels given, grad enabled),
+# its lm_head passes the hidden states through unchanged and its loss_function receives them in place of
+# the logits (after any elementwise scaling the model applies, e.g. Granite's division by
+# logits_scaling, which commutes with the LM head's matmul). The loss is then foak's
+# linear_cross_entropy on (hidden, lm_head.weight): the [tokens, vocab] logits never exist, and the
+# output's ``logits`` is None. Without labels, or without grad (evaluation wants logits), the model runs
+# unchanged.
+_HIDDEN_PASSTHROUGH = contextvars.ContextVar("foak_lm_head_passthrough", default=False)
+
+
+def _causal_lm_skip_reason(model):
+    if getattr(model.config, "final_logit_softcapping", None):
+        return "final_logit_softcapping is applied between lm_head and the loss (not a linear map)"
+    if not isinstance(getattr(model, "lm_head", None), nn.Linear):
+        return "the model has no nn.Linear lm_head"
+    return None
+
+
+def _set_loss_function(model, state, loss_function):
+    had = "_loss_function" in model.__dict__
+    previous = model.__dict__.get("_loss_function")
+    model.loss_function = loss_function
+
+    def undo():
+        if had:
+            model._loss_function = previous
+        else:
+            model.__dict__.pop("_loss_function", None)
+
+    state.on_restore(undo)
+
+
+def _hf_loss_arguments(labels, shift_labels, ignore_index):
+    """(target, shift) as transformers' ForCausalLMLoss would use them."""
+    if shift_labels is not None:
+        return shift_labels, False
+    return labels, True
+
+
+def fused_linear_loss_rule(arch: str, causal_lm_class: type) -> Rule:
+    def patch(model_module, model, state):
+        lm_head = model.lm_head
+        head_forward = lm_head.forward
+
+        def lm_head_forward(hidden_states):
+            return hidden_states if _HIDDEN_PASSTHROUGH.get() else head_forward(hidden_states)
+
+        state.set_forward(lm_head, lm_head_forward)
+
+        def loss_function(logits, labels, vocab_size=None, num_items_in_batch=None, ignore_index=-100,
+                          shift_labels=None, **kwargs):
+            if not _HIDDEN_PASSTHROUGH.get():
+                raise RuntimeError("foak fused_linear_loss: loss_function called outside a patched forward")
+            target, shift = _hf_loss_arguments(labels, shift_labels, ignore_index)
+            hidden = logits.to(lm_head.weight.dtype)  # the model may have upcast its "logits"
+            if not shift:
+                hidden = hidden.reshape(-1, hidden.shape[-1])
+                target = target.reshape(-1)
+            return linear_cross_entropy(hidden, lm_head.weight, target.to(hidden.device), lm_head.bias,
+                                        shift=shift, ignore_index=ignore_index,
+                                        num_items_in_batch=num_items_in_batch)
+
+        original_loss = model.loss_function
+        _set_loss_function(model, state, loss_function)
+        original_forward = model_module.forward
+
+        def forward(*args, **kwargs):
+            if kwargs.get("labels") is None or not torch.is_grad_enabled():
+                model.loss_function = original_loss
+                try:
+                    return original_forward(*args, **kwargs)
+                finally:
+                    model.loss_function = loss_function
+            token = _HIDDEN_PASSTHROUGH.set(True)
+            try:
+                out = original_forward(*args, **kwargs)
+            finally:
+                _HIDDEN_PASSTHROUGH.reset(token)
+            out["logits"] = None  # they were never computed
+            return out
+
+        return forward
+
+    return Rule(f"{arch}.fused_linear_loss", "fused_linear_loss", Trigger(causal_lm_class), patch,
+                _causal_lm_skip_reason)
+
+
+def loss_rule(arch: str, causal_lm_class: type) -> Rule:
+    """fast_loss: the model computes its logits as usual; foak's cross-entropy kernel computes the loss."""
+
+    def patch(model_module, model, state):
+        def loss_function(logits, labels, vocab_size=None, num_items_in_batch=None, ignore_index=-100,
+                          shift_labels=None, **kwargs):
+            target, shift = _hf_loss_arguments(labels, shift_labels, ignore_index)
+            if shift:
+                target = nn.functional.pad(target, (0, 1), value=ignore_index)[..., 1:]
+            return cross_entropy(logits.reshape(-1, logits.shape[-1]), target.reshape(-1).to(logits.device),
+                                 ignore_index=ignore_index, num_items_in_batch=num_items_in_batch)
+
+        _set_loss_function(model, state, loss_function)
+        return model_module.forward  # the forward itself is unchanged
+
+    return Rule(f"{arch}.loss", "loss", Trigger(causal_lm_class), patch)
+
+
+def causal_lm_rules(arch: str, causal_lm_class: type) -> list[Rule]:
+    return [loss_rule(arch, causal_lm_class), fused_linear_loss_rule(arch, causal_lm_class)]
+
+
+def decoder_rules(arch: str, modeling, prefix: str, gated_mlp: bool = True) -> list[Rule]:
+    """The rules of a Llama-like decoder whose modeling module defines <prefix>RMSNorm, <prefix>Attention,
+    <prefix>MLP (when gated_mlp) and <prefix>ForCausalLM."""
+    rules = [rms_norm_rule(arch, getattr(modeling, f"{prefix}RMSNorm")),
+             rope_rule(arch, getattr(modeling, f"{prefix}Attention"))]
+    if gated_mlp:
+        rules.append(glu_mlp_rule(arch, getattr(modeling, f"{prefix}MLP")))
+    return rules + causal_lm_rules(arch, getattr(modeling, f"{prefix}ForCausalLM"))
