@@ -1,4 +1,4 @@
-"""The ``foak`` command line: ``foak info`` and ``foak verify --ops`` (training and benchmarks come later)."""
+"""The ``foak`` command line: ``foak info`` and ``foak verify`` (training and benchmarks come later)."""
 
 from __future__ import annotations
 
@@ -47,23 +47,48 @@ def _format_table(rows: list[dict]) -> str:
 
 def _cmd_verify(args) -> int:
     from foak.backend import describe
-    from foak.testing import run_self_check
 
-    if not args.ops:
-        print("foak verify: only --ops (the per-op kernel self-check) exists so far; model verification "
-              "arrives with the patcher.", file=sys.stderr)
-        return 2
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     backend = describe(device)
+    if backend == "reference":
+        print("note: no GPU and no TRITON_INTERPRET=1, so the reference ops are compared with themselves; "
+              "set TRITON_INTERPRET=1 to check the Triton kernels on CPU")
+    if args.ops:
+        return _verify_ops(device, backend)
+    return _verify_model(args, device, backend)
+
+
+def _verify_ops(device, backend) -> int:
+    from foak.testing import run_self_check
+
     print(f"foak verify --ops on {device} (backend: {backend}); every op forward and backward vs its "
           "torch reference (relative error vs fp32)")
-    if backend == "reference":
-        print("note: no GPU and no TRITON_INTERPRET=1, so the reference is compared with itself; "
-              "set TRITON_INTERPRET=1 to check the Triton kernels on CPU")
     rows = run_self_check(device)
     print(_format_table(rows))
     failed = sum(not r["passed"] for r in rows)
     print(f"self-check: {len(rows) - failed} of {len(rows)} cases within tolerance")
+    return 1 if failed else 0
+
+
+def _verify_model(args, device, backend) -> int:
+    from foak.models.tiny import tiny_model
+    from foak.verify import format_rows, verify_model
+
+    if args.model:
+        import transformers
+
+        dtype = getattr(torch, args.dtype)
+        model = transformers.AutoModelForCausalLM.from_pretrained(args.model, dtype=dtype).to(device)
+        source = args.model
+    else:
+        model = tiny_model(args.arch).to(device=device, dtype=getattr(torch, args.dtype))
+        source = f"tiny {args.arch} (2 layers, hidden 64, random weights)"
+    print(f"foak verify: {source} on {device} ({args.dtype}, backend: {backend}); unpatched vs patched, "
+          "loss and every parameter gradient after one forward+backward")
+    rows = verify_model(model, args.rules)
+    print(format_rows(rows))
+    failed = [r.name for r in rows if not r.passed]
+    print(f"verify: {len(rows) - len(failed)} of {len(rows)} rule checks within tolerance")
     return 1 if failed else 0
 
 
@@ -74,6 +99,10 @@ def build_parser() -> argparse.ArgumentParser:
     info.set_defaults(func=_cmd_info)
     verify = sub.add_parser("verify", help="check numerics against the torch references")
     verify.add_argument("--ops", action="store_true", help="run every kernel against its reference")
+    verify.add_argument("--model", help="local path of an HF causal LM (default: a tiny random model)")
+    verify.add_argument("--arch", default="llama", help="architecture of the tiny default model")
+    verify.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    verify.add_argument("--rules", nargs="*", help="rule switches to check (default: all of the model's)")
     verify.add_argument("--device", default=None, help="cuda or cpu (default: cuda if available)")
     verify.set_defaults(func=_cmd_verify)
     return parser

@@ -35,11 +35,11 @@ import yaml
 from pydantic import BaseModel, ConfigDict, ValidationError, model_validator
 
 __all__ = [
-    "AccelerationConfig",
-    "ConfigFileNotFoundError",
     "FULL_STANZA",
     "PEFT_STANZA",
     "SWITCH_TO_RULE",
+    "AccelerationConfig",
+    "ConfigFileNotFoundError",
     "check_precision",
     "config_from_kwargs",
     "load_config",
@@ -156,6 +156,7 @@ def _suggest(key: Any, valid: list[str], where: str) -> str:
     scored = [(difflib.SequenceMatcher(None, name, p.rsplit(".", 1)[-1]).ratio(), p) for p in _all_paths()]
     best = max((score for score, _ in scored), default=0.0)
     elsewhere = [p for score, p in scored if score >= 0.6 and score == best]
+    elsewhere.sort(key=lambda p: not p.startswith(f"{where}."))  # same branch first (stable sort)
     if elsewhere:
         options = " or ".join(repr(p) for p in elsewhere[:2])
         return f"unknown key {name!r} {place}; it belongs at a different level: did you mean {options}?"
@@ -204,9 +205,7 @@ def _validation_message(err: ValidationError, where: str) -> str:
         field = ".".join(str(part) for part in e["loc"])
         if field in AccelerationConfig.model_fields:
             value = e["input"]
-            lines.append(
-                f"{where}.{field}: expected {_expected_type(field)}, got {type(value).__name__} {value!r}"
-            )
+            lines.append(f"{where}.{field}: expected {_expected_type(field)}, got {type(value).__name__} {value!r}")
         else:
             lines.append(f"{where}.{field}: {e['msg']}")
     return "\n".join(lines)
@@ -272,7 +271,7 @@ def _from_mapping(data: Mapping, origin: str) -> AccelerationConfig:
             f"no foak stanza in {origin}; it needs exactly one of {FULL_STANZA} (full fine-tuning) or "
             f"{PEFT_STANZA} (LoRA/QLoRA)"
         )
-    (path, stanza), = found.items()
+    ((path, stanza),) = found.items()
     mode = "full" if path == FULL_STANZA else "peft"
     return _from_stanza(mode, stanza, path)
 
@@ -296,9 +295,7 @@ def load_config(source: str | os.PathLike | Mapping | AccelerationConfig) -> Acc
         reason = "is a directory, not a config file" if path.is_dir() else None
         message = f"no such config file: {str(source)!r}" if reason is None else f"{str(source)!r} {reason}"
         if isinstance(source, str) and ("\n" in source or ":" in source):
-            message += (
-                " (load_config does not accept YAML text; pass a file path, or yaml.safe_load(text) as a dict)"
-            )
+            message += " (load_config does not accept YAML text; pass a file path, or yaml.safe_load(text) as a dict)"
         raise ConfigFileNotFoundError(message)
     try:
         data = yaml.safe_load(path.read_text())
@@ -309,12 +306,11 @@ def load_config(source: str | os.PathLike | Mapping | AccelerationConfig) -> Acc
             f"config file {str(path)!r} is empty; it needs exactly one of the stanzas {FULL_STANZA} "
             f"(full fine-tuning) or {PEFT_STANZA} (LoRA/QLoRA)"
         )
-    if not isinstance(data, Mapping):
-        raise ValueError(
-            f"config file {str(path)!r} must hold a mapping with {FULL_STANZA} or {PEFT_STANZA}, "
-            f"got {_type_name(data)}"
-        )
-    return _from_mapping(data, f"config file {str(path)!r}")
+    if isinstance(data, Mapping):
+        return _from_mapping(data, f"config file {str(path)!r}")
+    raise ValueError(
+        f"config file {str(path)!r} must hold a mapping with {FULL_STANZA} or {PEFT_STANZA}, got {_type_name(data)}"
+    )
 
 
 def config_from_kwargs(mode: str = "full", **switches: Any) -> AccelerationConfig:
@@ -368,7 +364,7 @@ def check_precision(weights_dtype: torch.dtype, mixed_precision: Literal["no", "
     if mixed_precision not in _MIXED_PRECISION:
         raise ValueError(f"mixed_precision must be one of {_MIXED_PRECISION}, got {mixed_precision!r}")
     if not isinstance(peft, bool):
-        raise ValueError(f"peft must be True (LoRA/QLoRA) or False (full fine-tuning), got {peft!r}")
+        raise TypeError(f"peft must be True (LoRA/QLoRA) or False (full fine-tuning), got {peft!r}")
 
     if weights_dtype == torch.float32:
         return

@@ -1,0 +1,43 @@
+"""Tiny randomly initialised models of each supported architecture (no downloads): for ``foak verify``,
+the test-suite and the embedded default of ``foak train``."""
+
+from __future__ import annotations
+
+import transformers
+
+_COMMON = {"hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 2, "num_attention_heads": 4,
+           "num_key_value_heads": 2, "vocab_size": 301, "max_position_embeddings": 128}
+_MOE = {"num_local_experts": 4, "num_experts": 4, "num_experts_per_tok": 2, "output_router_logits": True}
+_GRANITE = {"logits_scaling": 3.0, "residual_multiplier": 0.5, "embedding_multiplier": 2.0,
+            "attention_multiplier": 0.2}
+
+TINY_CONFIGS = {
+    "llama": ("LlamaConfig", {}),
+    "mistral": ("MistralConfig", {"sliding_window": 8}),
+    "mixtral": ("MixtralConfig", _MOE),
+    "granite": ("GraniteConfig", _GRANITE),
+    "granitemoe": ("GraniteMoeConfig", {**_GRANITE, **_MOE}),
+    "gpt_bigcode": ("GPTBigCodeConfig", {"n_embd": 64, "n_layer": 2, "n_head": 4, "n_inner": 96,
+                                         "n_positions": 128, "bos_token_id": 0, "eos_token_id": 0}),
+    "qwen2": ("Qwen2Config", {}),
+    "qwen3": ("Qwen3Config", {"head_dim": 16}),
+    "qwen3_moe": ("Qwen3MoeConfig", {**_MOE, "moe_intermediate_size": 48, "mlp_only_layers": [0], "head_dim": 16}),
+}
+
+
+def tiny_config(model_type: str = "llama"):
+    if model_type not in TINY_CONFIGS:
+        raise ValueError(f"no tiny config for {model_type!r}; choose one of {', '.join(TINY_CONFIGS)}")
+    class_name, overrides = TINY_CONFIGS[model_type]
+    config_class = getattr(transformers, class_name)
+    params = dict(_COMMON) if model_type != "gpt_bigcode" else {"vocab_size": _COMMON["vocab_size"]}
+    params.update(overrides)
+    return config_class(**params)
+
+
+def tiny_model(model_type: str = "llama", seed: int = 0):
+    import torch
+
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(tiny_config(model_type))
+    return model.float()

@@ -1,0 +1,99 @@
+"""``foak verify``: run one fixed batch through an unpatched and a patched copy of a model, forward and
+backward, rule by rule and with every rule together, and compare losses and all parameter gradients."""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass
+
+import torch
+
+from foak.testing import relative_error
+
+# foak rule switch -> the acceleration-config key that enables it
+SWITCH_KEYS = {"rms_norm": "fast_rms_layernorm", "rope": "fast_rope_embeddings", "swiglu": "fast_swiglu",
+               "loss": "fast_loss", "fused_linear_loss": "fused_linear_loss"}
+TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 2e-2, torch.float16: 1e-2}
+
+
+@dataclass
+class VerifyRow:
+    name: str
+    modules: int
+    loss_error: float
+    grad_error: float
+    worst_param: str
+    tolerance: float
+
+    @property
+    def passed(self) -> bool:
+        return self.loss_error <= self.tolerance and self.grad_error <= self.tolerance
+
+
+def fixed_batch(vocab_size: int, batch: int = 2, seq: int = 13, seed: int = 0, device="cpu"):
+    """Random token ids with left padding on the second row (labels -100 there)."""
+    gen = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, vocab_size, (batch, seq), generator=gen)
+    mask = torch.ones_like(ids)
+    if batch > 1:
+        mask[1, : seq // 4] = 0
+    labels = ids.masked_fill(mask == 0, -100)
+    return {"input_ids": ids.to(device), "attention_mask": mask.to(device), "labels": labels.to(device)}
+
+
+def _loss_and_grads(model, batch):
+    model.zero_grad(set_to_none=True)
+    loss = model(**batch).loss
+    loss.backward()
+    grads = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
+    return loss.detach(), grads
+
+
+def _compare(name, modules, ref, got, tolerance) -> VerifyRow:
+    (ref_loss, ref_grads), (loss, grads) = ref, got
+    if ref_grads.keys() != grads.keys():
+        missing = sorted(ref_grads.keys() ^ grads.keys())
+        return VerifyRow(name, modules, relative_error(loss, ref_loss), float("inf"),
+                         f"gradient missing on one side: {missing[:3]}", tolerance)
+    worst, worst_name = 0.0, "-"
+    for n, g in ref_grads.items():
+        err = relative_error(grads[n], g)
+        if not err <= worst:  # also catches NaN
+            worst, worst_name = err, n
+    return VerifyRow(name, modules, relative_error(loss, ref_loss), worst, worst_name, tolerance)
+
+
+def verify_model(model, switches: list[str] | None = None, batch=None) -> list[VerifyRow]:
+    """One row per enabled rule (patched alone) plus one with all of them; the model itself is not patched."""
+    from foak.models import rules_for
+    from foak.patching import patch
+
+    available = sorted({r.switch for r in rules_for(model)} & SWITCH_KEYS.keys())
+    if switches is None:  # everything foak has for this architecture, with the fused head as the loss
+        switches = [s for s in available if s != "loss"]
+    unknown = sorted(set(switches) - set(available))
+    if unknown:
+        raise ValueError(f"foak verify: {unknown} not available for this model (available: {available})")
+    model.eval()  # dropout off: both sides must see the same function (gradients are still computed)
+    dtype = next(model.parameters()).dtype
+    tolerance = TOLERANCE[dtype]
+    if batch is None:
+        batch = fixed_batch(model.config.vocab_size, device=next(model.parameters()).device)
+    reference = _loss_and_grads(copy.deepcopy(model), batch)
+    rows = []
+    combos = [[s] for s in switches] + ([switches] if len(switches) > 1 else [])
+    for combo in combos:
+        patched = copy.deepcopy(model)
+        report = patch(patched, **{SWITCH_KEYS[s]: True for s in combo})
+        modules = sum(r.modules for r in report.results)
+        name = combo[0] if len(combo) == 1 else "all: " + ", ".join(combo)
+        rows.append(_compare(name, modules, reference, _loss_and_grads(patched, batch), tolerance))
+    return rows
+
+
+def format_rows(rows: list[VerifyRow]) -> str:
+    header = ("rule", "modules", "loss rel. error", "max grad rel. error", "worst parameter", "tolerance", "result")
+    body = [(r.name, str(r.modules), f"{r.loss_error:.2e}", f"{r.grad_error:.2e}", r.worst_param,
+             f"{r.tolerance:.0e}", "PASS" if r.passed else "FAIL") for r in rows]
+    widths = [max(len(line[i]) for line in [header, *body]) for i in range(len(header))]
+    return "\n".join("  ".join(c.ljust(w) for c, w in zip(line, widths)).rstrip() for line in [header, *body])
