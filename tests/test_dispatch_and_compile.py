@@ -162,6 +162,9 @@ def test_cli_info(capsys):
     assert "torch" in out and "triton-interpreter" in out
 
 
-def test_cli_verify_without_ops_says_what_exists(capsys):
-    assert main(["verify"]) == 2
-    assert "only --ops" in capsys.readouterr().err
+@pytest.mark.parametrize("arch", ["llama", "qwen3_moe", "gpt_bigcode"])
+def test_cli_verify_model_passes_every_rule(capsys, arch):
+    assert main(["verify", "--arch", arch]) == 0
+    out = capsys.readouterr().out
+    assert "FAIL" not in out and "fused_linear_loss" in out
+    assert f"tiny {arch}" in out
