@@ -3,6 +3,8 @@ public entry points ``patch`` / ``restore``."""
 
 from __future__ import annotations
 
+import torch
+
 from foak.patching.rules import PatchReport, Rule, RuleResult, Trigger, apply, is_patched, restore
 
 # config switches with no implementation yet: enabling one is an error, never a silent no-op
@@ -12,19 +14,24 @@ NOT_IMPLEMENTED = {
 }
 
 
-def patch(model, config=None, **switches) -> PatchReport:
+def patch(model, config=None, *, mixed_precision: str | None = None, **switches) -> PatchReport:
     """Patch a loaded HF causal LM with foak's kernels, as ``config`` (a path to the acceleration YAML, its
     parsed dict, an AccelerationConfig) or keyword switches (``fast_rms_layernorm=True, ...``) ask.
 
+    ``mixed_precision`` ("no", "fp16", "bf16"; what the trainer will use) is checked against the model's
+    weight dtype with the compatibility matrix of foak.config.check_precision.
     Returns the PatchReport (print it for the table). Applying twice is a no-op; ``restore`` undoes it.
     """
-    from foak.config import config_from_kwargs, load_config
+    from foak.config import check_precision, config_from_kwargs, load_config
     from foak.models import model_type_of, rules_for
 
     if config is not None and switches:
         raise ValueError("foak.patch: pass either a config or keyword switches, not both")
     cfg = load_config(config) if config is not None else config_from_kwargs(**switches)
     enabled = cfg.enabled_rules()
+    if mixed_precision is not None:
+        weights = next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
+        check_precision(weights, mixed_precision, peft=cfg.mode == "peft")
     missing = [NOT_IMPLEMENTED[s] for s in sorted(enabled & NOT_IMPLEMENTED.keys())]
     if cfg.base_layer != "none":
         missing.append(f"base_layer: {cfg.base_layer} (quantized base layers) is not implemented yet")
