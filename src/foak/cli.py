@@ -105,10 +105,17 @@ def build_parser() -> argparse.ArgumentParser:
     verify.add_argument("--rules", nargs="*", help="rule switches to check (default: all of the model's)")
     verify.add_argument("--device", default=None, help="cuda or cpu (default: cuda if available)")
     verify.set_defaults(func=_cmd_verify)
+    sub.add_parser("train", help="fine-tune a causal LM (foak train --help lists the arguments)")
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["train"]:  # HF TrainingArguments names: parsed by transformers' HfArgumentParser
+        from foak.train import train
+
+        train(argv[1:])
+        return 0
     args = build_parser().parse_args(argv)
     return args.func(args)
 

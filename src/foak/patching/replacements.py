@@ -8,6 +8,7 @@ and loss rules wrap the original forward and change only the one call they accel
 from __future__ import annotations
 
 import contextvars
+import functools
 import sys
 import threading
 
@@ -132,6 +133,7 @@ def rope_rule(arch: str, attention_class: type, function_name: str = "apply_rota
         state.on_restore(lambda: _uninstall_rope(module_name, function_name))
         original_forward = module.forward
 
+        @functools.wraps(original_forward)  # keeps the signature (HF Trainer inspects it)
         def forward(*args, **kwargs):
             token = _ROPE_ACTIVE.set(True)
             try:
@@ -163,16 +165,16 @@ def _causal_lm_skip_reason(model):
     return None
 
 
-def _set_loss_function(model, state, loss_function):
-    had = "_loss_function" in model.__dict__
-    previous = model.__dict__.get("_loss_function")
-    model.loss_function = loss_function
+def _set_loss_function(causal_lm, state, loss_function):
+    had = "_loss_function" in causal_lm.__dict__
+    previous = causal_lm.__dict__.get("_loss_function")
+    causal_lm.loss_function = loss_function
 
     def undo():
         if had:
-            model._loss_function = previous
+            causal_lm._loss_function = previous
         else:
-            model.__dict__.pop("_loss_function", None)
+            causal_lm.__dict__.pop("_loss_function", None)
 
     state.on_restore(undo)
 
@@ -186,7 +188,8 @@ def _hf_loss_arguments(labels, shift_labels, ignore_index):
 
 def fused_linear_loss_rule(arch: str, causal_lm_class: type) -> Rule:
     def patch(model_module, model, state):
-        lm_head = model.lm_head
+        # model_module is the causal LM itself (model may be a wrapper around it, e.g. a PeftModel)
+        lm_head = model_module.lm_head
         head_forward = lm_head.forward
 
         def lm_head_forward(hidden_states):
@@ -207,17 +210,18 @@ def fused_linear_loss_rule(arch: str, causal_lm_class: type) -> Rule:
                                         shift=shift, ignore_index=ignore_index,
                                         num_items_in_batch=num_items_in_batch)
 
-        original_loss = model.loss_function
-        _set_loss_function(model, state, loss_function)
+        original_loss = model_module.loss_function
+        _set_loss_function(model_module, state, loss_function)
         original_forward = model_module.forward
 
+        @functools.wraps(original_forward)  # keeps the signature (HF Trainer inspects it)
         def forward(*args, **kwargs):
             if kwargs.get("labels") is None or not torch.is_grad_enabled():
-                model.loss_function = original_loss
+                model_module.loss_function = original_loss
                 try:
                     return original_forward(*args, **kwargs)
                 finally:
-                    model.loss_function = loss_function
+                    model_module.loss_function = loss_function
             token = _HIDDEN_PASSTHROUGH.set(True)
             try:
                 out = original_forward(*args, **kwargs)
@@ -244,7 +248,7 @@ def loss_rule(arch: str, causal_lm_class: type) -> Rule:
             return cross_entropy(logits.reshape(-1, logits.shape[-1]), target.reshape(-1).to(logits.device),
                                  ignore_index=ignore_index, num_items_in_batch=num_items_in_batch)
 
-        _set_loss_function(model, state, loss_function)
+        _set_loss_function(model_module, state, loss_function)
         return model_module.forward  # the forward itself is unchanged
 
     return Rule(f"{arch}.loss", "loss", Trigger(causal_lm_class), patch)

@@ -1,0 +1,35 @@
+"""Using foak from your own HF Trainer or TRL SFTTrainer script.
+
+Either patch the model before building the trainer::
+
+    foak.patch(model, "foak.yaml", mixed_precision="bf16")
+    trainer = Trainer(model=model, args=args, ...)
+
+or let the trainer do it when it is created (the mixed precision is read from its TrainingArguments)::
+
+    trainer = SFTTrainer(model=model, args=args, callbacks=[FoakCallback("foak.yaml")], ...)
+"""
+
+from __future__ import annotations
+
+from transformers import TrainerCallback
+
+
+class FoakCallback(TrainerCallback):
+    """Patches the trainer's model with foak when the trainer is constructed and prints the report."""
+
+    def __init__(self, config=None, **switches):
+        from foak.config import config_from_kwargs, load_config
+
+        self.config = load_config(config) if config is not None else config_from_kwargs(**switches)
+        self.report = None
+
+    def on_init_end(self, args, state, control, model=None, **kwargs):
+        import foak
+
+        if model is None:
+            raise ValueError("FoakCallback: the trainer passed no model to patch")
+        mixed_precision = "bf16" if args.bf16 else "fp16" if args.fp16 else "no"
+        self.report = foak.patch(model, self.config, mixed_precision=mixed_precision)
+        if state.is_world_process_zero:
+            print(self.report)

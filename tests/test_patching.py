@@ -1,0 +1,447 @@
+"""foak.patch / foak.restore on tiny randomly initialised HF models of every supported architecture.
+
+Every model is fp32, 2 layers, hidden 64, 4 heads / 2 kv heads, vocab 301; the comparisons are against a
+deepcopy taken before patching (same weights, HF's own forward), to 1e-5 relative for the loss and every
+parameter gradient.
+"""
+
+from __future__ import annotations
+
+import copy
+import sys
+
+import pytest
+import torch
+import transformers
+from torch import nn
+
+import foak
+import foak.patching.replacements as replacements
+from foak.config import SWITCH_TO_RULE
+from foak.models import ARCHITECTURES, rules_for
+from foak.patching import is_patched
+from foak.testing import relative_error
+
+TOL = 1e-5
+VOCAB = 301
+RULE_TO_SWITCH = {rule: switch for switch, rule in SWITCH_TO_RULE.items()}
+KERNEL_RULES = ("rms_norm", "rope", "swiglu")
+LOSS_RULES = ("fused_linear_loss", "loss")
+
+# ---- the tiny models ----------------------------------------------------------------------------------
+
+_COMMON = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+               num_key_value_heads=2, max_position_embeddings=64, bos_token_id=0, eos_token_id=1, pad_token_id=2)
+_MOE = dict(num_experts_per_tok=2, output_router_logits=True, router_aux_loss_coef=0.1)
+_GRANITE = dict(logits_scaling=4.0, residual_multiplier=0.5, embedding_multiplier=3.0, attention_multiplier=0.2)
+
+# arch -> (config class, causal LM class, config kwargs, expected report counts per rule)
+SPECS = {
+    "llama": ("LlamaConfig", "LlamaForCausalLM", dict(_COMMON),
+              dict(rms_norm=5, rope=2, swiglu=2)),
+    "mistral": ("MistralConfig", "MistralForCausalLM", dict(_COMMON, sliding_window=8),  # < the 13 tokens used
+                dict(rms_norm=5, rope=2, swiglu=2)),
+    "mixtral": ("MixtralConfig", "MixtralForCausalLM", dict(_COMMON, num_local_experts=4, **_MOE),
+                dict(rms_norm=5, rope=2, swiglu=0)),  # fused experts: no dense gated MLP module
+    "granite": ("GraniteConfig", "GraniteForCausalLM", dict(_COMMON, **_GRANITE),
+                dict(rms_norm=5, rope=2, swiglu=2)),
+    "granitemoe": ("GraniteMoeConfig", "GraniteMoeForCausalLM", dict(_COMMON, num_local_experts=4, **_MOE, **_GRANITE),
+                   dict(rms_norm=5, rope=2, swiglu=0)),
+    "gpt_bigcode": ("GPTBigCodeConfig", "GPTBigCodeForCausalLM",
+                    dict(vocab_size=VOCAB, n_embd=64, n_layer=2, n_head=4, n_inner=96, n_positions=64,
+                         resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=1),
+                    dict(rms_norm=0, rope=0, swiglu=0)),  # LayerNorm, learned positions, GELU MLP
+    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", dict(_COMMON),
+              dict(rms_norm=5, rope=2, swiglu=2)),
+    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", dict(_COMMON, head_dim=16),
+              dict(rms_norm=9, rope=2, swiglu=2)),  # + q_norm / k_norm per layer
+    "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM",
+                  dict(_COMMON, head_dim=16, num_experts=4, moe_intermediate_size=48, mlp_only_layers=[0], **_MOE),
+                  dict(rms_norm=9, rope=2, swiglu=1)),  # layer 0 dense (Qwen3MoeMLP), layer 1 sparse
+}
+ARCHS = list(ARCHITECTURES)
+
+
+def build(arch: str, seed: int = 0) -> nn.Module:
+    config_cls, model_cls, kwargs, _ = SPECS[arch]
+    config = getattr(transformers, config_cls)(**kwargs)
+    torch.manual_seed(seed)
+    model = getattr(transformers, model_cls)(config).float()
+    assert model.config.model_type == arch
+    return model
+
+
+def modeling_module(model: nn.Module):
+    return sys.modules[type(model).__module__]
+
+
+def all_switches(loss_rule: str = "fused_linear_loss") -> dict[str, bool]:
+    """Every kernel switch plus one of the two loss switches (they exclude each other)."""
+    return {RULE_TO_SWITCH[r]: True for r in (*KERNEL_RULES, loss_rule)}
+
+
+_PATCHED: list[nn.Module] = []
+
+
+def patch(model: nn.Module, **switches):
+    """foak.patch, and the model is restored after the test (so no RoPE global outlives its test)."""
+    _PATCHED.append(model)
+    return foak.patch(model, **switches)
+
+
+@pytest.fixture(autouse=True)
+def _restore_patched_models():
+    yield
+    while _PATCHED:
+        foak.restore(_PATCHED.pop())
+
+
+# ---- inputs ---------------------------------------------------------------------------------------------
+
+
+def padded_batch(seq: int = 13) -> dict:
+    """Batch 2, left padding (row 0: 1 pad, row 1: 4 pads), labels -100 at the padded positions."""
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(3, VOCAB, (2, seq), generator=g)
+    mask = torch.ones_like(ids)
+    mask[0, :1] = 0
+    mask[1, :4] = 0
+    ids = ids.masked_fill(mask == 0, 2)
+    return dict(input_ids=ids, attention_mask=mask, labels=ids.masked_fill(mask == 0, -100))
+
+
+def packed_batch(lengths=(5, 7, 4)) -> dict:
+    """Padding-free packing: one row, position_ids restarting per sequence, no attention_mask, labels -100 at
+    each sequence's first token (as DataCollatorWithFlattening builds them); no cache, as in training."""
+    g = torch.Generator().manual_seed(2)
+    ids = torch.randint(3, VOCAB, (1, sum(lengths)), generator=g)
+    pos = torch.cat([torch.arange(n) for n in lengths])[None]
+    return dict(input_ids=ids, position_ids=pos, labels=ids.masked_fill(pos == 0, -100), use_cache=False)
+
+
+# ---- comparisons ----------------------------------------------------------------------------------------
+
+
+def loss_and_grads(model: nn.Module, batch: dict):
+    model.zero_grad(set_to_none=True)
+    out = model(**batch)
+    out.loss.backward()
+    return out, {n: p.grad for n, p in model.named_parameters()}
+
+
+def assert_close(out: torch.Tensor, ref: torch.Tensor, what: str, tol: float = TOL):
+    err = relative_error(out, ref)
+    assert err <= tol, f"{what}: relative error {err:.3g} > {tol} ({out.flatten()[:4]} vs {ref.flatten()[:4]})"
+
+
+def assert_grads_close(grads: dict, ref_grads: dict, what: str):
+    assert grads.keys() == ref_grads.keys()
+    compared = 0
+    for name, g in grads.items():
+        r = ref_grads[name]
+        if g is None and r is None:
+            continue
+        assert g is not None and r is not None, f"{what}: grad of {name} is None on one side only"
+        assert_close(g, r, f"{what}: grad of {name}")
+        compared += 1
+    assert compared > 0
+
+
+def instance_forwards(model: nn.Module) -> dict[str, object]:
+    return {name: m.__dict__["forward"] for name, m in model.named_modules() if "forward" in m.__dict__}
+
+
+# ---- 0. the test models cover every architecture -----------------------------------------------------
+
+
+def test_every_architecture_has_a_test_model():
+    assert set(SPECS) == set(ARCHITECTURES)
+
+
+# ---- 1. patched == unpatched: loss and every gradient ----------------------------------------------------
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_patched_matches_unpatched_fused_linear_loss(arch):
+    model = build(arch)
+    ref = copy.deepcopy(model)
+    patch(model, **all_switches("fused_linear_loss"))
+    for kind, batch in (("padded", padded_batch()), ("packed", packed_batch())):
+        out, grads = loss_and_grads(model, batch)
+        ref_out, ref_grads = loss_and_grads(ref, batch)
+        assert out.logits is None  # training with labels: the logits are never materialised
+        assert ref_out.logits is not None
+        assert_close(out.loss, ref_out.loss, f"{arch} {kind} loss")
+        assert_grads_close(grads, ref_grads, f"{arch} {kind}")
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_patched_matches_unpatched_fast_loss(arch):
+    model = build(arch)
+    ref = copy.deepcopy(model)
+    report = patch(model, **all_switches("loss"))
+    assert report.count(f"{arch}.loss") == 1
+    for kind, batch in (("padded", padded_batch()), ("packed", packed_batch())):
+        out, grads = loss_and_grads(model, batch)
+        ref_out, ref_grads = loss_and_grads(ref, batch)
+        assert_close(out.logits, ref_out.logits, f"{arch} {kind} logits")  # fast_loss keeps the logits
+        assert_close(out.loss, ref_out.loss, f"{arch} {kind} loss")
+        assert_grads_close(grads, ref_grads, f"{arch} {kind}")
+
+
+# ---- 2. the report -------------------------------------------------------------------------------------
+
+
+def _count_modules(model: nn.Module, rule: str) -> int:
+    """What each rule should patch, counted from the model itself (independently of foak's triggers)."""
+    modules = list(model.modules())
+    names = [type(m).__name__ for m in modules]
+    if rule == "rms_norm":
+        return sum(n.endswith("RMSNorm") for n in names)
+    if rule == "rope":  # attention modules of a model that has rotary embeddings
+        has_rotary = any(n.endswith("RotaryEmbedding") for n in names)
+        return sum(n.endswith("Attention") for n in names) if has_rotary else 0
+    if rule == "swiglu":  # dense gated MLPs (a fused-experts module has no gate_proj/up_proj/down_proj Linears)
+        return sum(all(isinstance(getattr(m, p, None), nn.Linear) for p in ("gate_proj", "up_proj", "down_proj"))
+                   for m in modules)
+    if rule in LOSS_RULES:
+        return 1
+    raise AssertionError(rule)
+
+
+@pytest.mark.parametrize("loss_rule", LOSS_RULES)
+@pytest.mark.parametrize("arch", ARCHS)
+def test_report_counts(arch, loss_rule):
+    model = build(arch)
+    report = patch(model, **all_switches(loss_rule))
+    assert report.model_type == arch
+    expected = dict(SPECS[arch][3], **{loss_rule: 1})
+    by_switch = {}
+    for r in report.results:
+        assert r.switch not in by_switch, f"{r.switch} reported twice:\n{report}"
+        by_switch[r.switch] = r
+    assert set(by_switch) == set(expected), str(report)
+    available = {r.switch for r in rules_for(model)}
+    for rule, n in expected.items():
+        assert _count_modules(model, rule) == n, f"test table disagrees with the model for {rule}"
+        result = by_switch[rule]
+        assert result.rule_id == f"{arch}.{rule}"
+        assert result.modules == n, f"{rule}: {result.modules} modules, expected {n}\n{report}"
+        if n:
+            assert result.backend != "-" and result.note == "", str(report)
+            assert report.count(result.rule_id) == n
+        else:  # reported, never silent
+            assert result.backend == "-" and result.note, f"{rule} patched nothing without saying why\n{report}"
+            if rule not in available:
+                assert "no rule" in result.note, result.note
+    # nothing was patched that the report does not account for
+    patched = instance_forwards(model)
+    lm_head = 1 if loss_rule == "fused_linear_loss" else 0  # the fused loss also routes the LM head
+    assert len(patched) == sum(r.modules for r in report.results) + lm_head
+    text = str(report)
+    if loss_rule == "fused_linear_loss":
+        print(text)
+    for r in report.results:
+        assert r.rule_id in text
+
+
+# ---- 3. parameters, state_dict, save / load ------------------------------------------------------------
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_state_dict_unchanged_and_save_load_round_trip(arch, tmp_path):
+    model = build(arch)
+    ref = copy.deepcopy(model)
+    keys = list(model.state_dict().keys())
+    params = list(model.named_parameters())
+    buffers = list(model.named_buffers())
+    patch(model, **all_switches())
+    assert list(model.state_dict().keys()) == keys
+    after = list(model.named_parameters())
+    assert [n for n, _ in after] == [n for n, _ in params]
+    assert all(p is q for (_, p), (_, q) in zip(after, params))
+    assert all(b is c for (_, b), (_, c) in zip(model.named_buffers(), buffers))
+
+    model.save_pretrained(tmp_path)
+    loaded = type(model).from_pretrained(tmp_path)
+    assert not is_patched(loaded) and not instance_forwards(loaded)
+    state, loaded_state = model.state_dict(), loaded.state_dict()
+    assert list(loaded_state) == list(state)
+    for k in state:
+        assert torch.equal(loaded_state[k], state[k]), k
+    batch = padded_batch()
+    loaded.train()
+    with torch.no_grad():
+        assert_close(loaded(**batch).loss, ref(**batch).loss, f"{arch} loaded loss", tol=1e-6)
+
+
+# ---- 4. restore / double apply -----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_restore_and_double_apply(arch):
+    model = build(arch)
+    ref = copy.deepcopy(model)
+    modeling = modeling_module(model)
+    original_rope = getattr(modeling, "apply_rotary_pos_emb", None)
+    assert not hasattr(original_rope, "__foak_original__"), "a RoPE dispatcher leaked from an earlier test"
+    assert not instance_forwards(model) and "_loss_function" not in model.__dict__
+
+    report = patch(model, **all_switches())
+    forwards = instance_forwards(model)
+    assert forwards
+    assert foak.patch(model, **all_switches()) is report  # no-op, same report
+    assert instance_forwards(model) == forwards
+    assert all(instance_forwards(model)[n] is f for n, f in forwards.items())  # nothing wrapped twice
+    if SPECS[arch][3]["rope"]:
+        dispatcher = modeling.apply_rotary_pos_emb
+        assert dispatcher.__foak_original__ is original_rope  # installed once, over the original
+    # use the patched model once (the fused loss swaps loss functions around its forward)
+    small = padded_batch(seq=5)
+    model(**small).loss.backward()
+    with torch.no_grad():
+        model(**small)
+
+    assert foak.restore(model) is model
+    assert not is_patched(model)
+    assert not instance_forwards(model), "an instance forward survived restore"
+    assert "_loss_function" not in model.__dict__ and not hasattr(model, "_loss_function")
+    assert getattr(modeling, "apply_rotary_pos_emb", None) is original_rope
+    for name, m in model.named_modules():
+        assert m.forward.__func__ is type(m).forward, name
+    assert foak.restore(model) is model  # restoring again is harmless
+
+    batch = padded_batch()
+    out, grads = loss_and_grads(model, batch)
+    ref_out, ref_grads = loss_and_grads(ref, batch)
+    assert torch.equal(out.loss, ref_out.loss)
+    assert torch.equal(out.logits, ref_out.logits)
+    assert_grads_close(grads, ref_grads, f"{arch} restored")
+
+
+# ---- 5. a patched and an unpatched model in one process -----------------------------------------------
+
+_KERNELS = ("rms_norm", "rope", "glu", "cross_entropy", "linear_cross_entropy")
+
+
+@pytest.fixture
+def kernel_calls(monkeypatch):
+    """Counts the calls of every foak op the replacement forwards use (they look them up at call time)."""
+    calls = dict.fromkeys(_KERNELS, 0)
+    for name in _KERNELS:
+        fn = getattr(replacements, name)
+
+        def counted(*args, _fn=fn, _name=name, **kwargs):
+            calls[_name] += 1
+            return _fn(*args, **kwargs)
+
+        monkeypatch.setattr(replacements, name, counted)
+    return calls
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_patched_and_unpatched_side_by_side(arch, kernel_calls):
+    patched_model = build(arch)
+    plain = copy.deepcopy(patched_model)
+    batch = padded_batch(seq=7)
+    baseline, baseline_grads = loss_and_grads(plain, batch)
+    assert not any(kernel_calls.values())
+
+    report = patch(patched_model, **all_switches())
+    out, grads = loss_and_grads(plain, batch)
+    assert not any(kernel_calls.values()), f"the unpatched model ran foak kernels: {kernel_calls}"
+    assert torch.equal(out.loss, baseline.loss) and torch.equal(out.logits, baseline.logits)
+    for name, g in grads.items():
+        assert (g is None) == (baseline_grads[name] is None) and (g is None or torch.equal(g, baseline_grads[name]))
+
+    p_out, p_grads = loss_and_grads(patched_model, batch)
+    expected = {"rms_norm": SPECS[arch][3]["rms_norm"] > 0, "rope": SPECS[arch][3]["rope"] > 0,
+                "glu": SPECS[arch][3]["swiglu"] > 0, "linear_cross_entropy": True, "cross_entropy": False}
+    assert {k: v > 0 for k, v in kernel_calls.items()} == expected, (kernel_calls, str(report))
+    if expected["rms_norm"]:
+        assert kernel_calls["rms_norm"] == SPECS[arch][3]["rms_norm"]
+    assert_close(p_out.loss, baseline.loss, f"{arch} patched loss next to an unpatched model")
+    assert_grads_close(p_grads, baseline_grads, arch)
+
+    before = dict(kernel_calls)
+    with torch.no_grad():
+        again = plain(**batch)
+    assert kernel_calls == before
+    assert torch.equal(again.loss, baseline.loss)
+
+
+# ---- 6. unknown architecture --------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("make", [
+    lambda: transformers.GPT2LMHeadModel(transformers.GPT2Config(
+        vocab_size=VOCAB, n_embd=32, n_layer=1, n_head=2, n_positions=16, bos_token_id=0, eos_token_id=1)),
+    lambda: transformers.PhiForCausalLM(transformers.PhiConfig(
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=1, num_attention_heads=2,
+        bos_token_id=0, eos_token_id=1)),
+], ids=["gpt2", "phi"])
+def test_unknown_architecture(make):
+    model = make()
+    with pytest.raises(ValueError) as info:
+        foak.patch(model, **all_switches())
+    message = str(info.value)
+    assert model.config.model_type in message
+    assert "Supported architectures" in message
+    for arch in ARCHITECTURES:
+        assert arch in message
+    assert not is_patched(model) and not instance_forwards(model)
+    with pytest.raises(ValueError, match="Supported architectures"):
+        rules_for(model)
+
+
+def test_model_without_config():
+    with pytest.raises(ValueError, match="model_type"):
+        foak.patch(nn.Linear(2, 2), fast_rms_layernorm=True)
+
+
+# ---- 7. logits when they are wanted -------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_fused_linear_loss_logits_when_wanted(arch):
+    model = build(arch)
+    ref = copy.deepcopy(model)
+    patch(model, **all_switches("fused_linear_loss"))
+    batch = padded_batch(seq=7)
+    no_labels = {k: v for k, v in batch.items() if k != "labels"}
+    with torch.no_grad():
+        ref_out = ref(**batch)
+
+    out = model(**no_labels)  # grad enabled, no labels: logits wanted
+    assert out.loss is None and out.logits is not None
+    assert_close(out.logits, ref_out.logits, f"{arch} logits (labels=None)")
+
+    with torch.no_grad():  # evaluation with labels: logits and loss
+        out = model(**batch)
+    assert out.logits is not None
+    assert_close(out.logits, ref_out.logits, f"{arch} logits (no_grad)")
+    assert_close(out.loss, ref_out.loss, f"{arch} loss (no_grad)")
+
+    out = model(**batch)  # training again: the fused loss is back
+    assert out.logits is None
+    assert_close(out.loss, ref_out.loss, f"{arch} loss (training after eval)")
+
+
+# ---- 8. num_items_in_batch -----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("loss_rule", LOSS_RULES)
+@pytest.mark.parametrize("arch", ARCHS)
+def test_num_items_in_batch(arch, loss_rule):
+    model = build(arch)
+    ref = copy.deepcopy(model)
+    patch(model, **all_switches(loss_rule))
+    batch = padded_batch(seq=7)
+    n_valid = int((batch["labels"][:, 1:] != -100).sum())
+    batch["num_items_in_batch"] = torch.tensor(3 * n_valid)  # e.g. gradient accumulation over 3 micro-batches
+    out, grads = loss_and_grads(model, batch)
+    ref_out, ref_grads = loss_and_grads(ref, batch)
+    mean_loss = ref(**{k: v for k, v in batch.items() if k != "num_items_in_batch"}).loss
+    assert relative_error(ref_out.loss, mean_loss) > 0.1  # the argument does change the loss
+    assert_close(out.loss, ref_out.loss, f"{arch} {loss_rule} loss with num_items_in_batch")
+    assert_grads_close(grads, ref_grads, f"{arch} {loss_rule} num_items_in_batch")

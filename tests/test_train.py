@@ -1,0 +1,157 @@
+import json
+
+import pytest
+import torch
+import transformers
+
+import foak
+from foak.data import IGNORE_INDEX, DatasetError, PackingCollator, PaddingCollator, char_tokenizer, read_jsonl, tokenize
+from foak.integrations import FoakCallback
+from foak.models.tiny import tiny_model
+from foak.patching import is_patched
+from foak.testing import relative_error
+from foak.train import train
+
+SMALL = ["--max_steps", "4", "--per_device_train_batch_size", "2", "--max_seq_length", "24", "--logging_steps", "1",
+         "--learning_rate", "1e-2", "--warmup_steps", "0"]
+
+
+def test_embedded_default_trains_patched_and_saves_a_loadable_model(tmp_path, capsys):
+    summary = train([*SMALL, "--output_dir", str(tmp_path)])
+    out = capsys.readouterr().out
+    assert "No GPU" in out and "llama.fused_linear_loss" in out  # the patch report is printed
+    assert summary["steps"] == 4 and summary["tokens"] > 0 and summary["tokens_per_second"] > 0
+    assert summary["final_loss"] < summary["first_loss"]
+    assert (tmp_path / "loss_curve.png").stat().st_size > 1000
+    model = transformers.AutoModelForCausalLM.from_pretrained(tmp_path)
+    tokenizer = transformers.AutoTokenizer.from_pretrained(tmp_path)
+    ids = torch.tensor([tokenizer.encode("the cat sees the ball.")])
+    assert torch.isfinite(model(input_ids=ids, labels=ids).loss)
+
+
+def _write(path, lines):
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def test_prompt_response_dataset_trains_on_the_response_only(tmp_path):
+    data = _write(tmp_path / "d.jsonl", [json.dumps({"prompt": "q: 1+1", "response": " 2"})] * 3)
+    tokenizer = char_tokenizer()
+    example = tokenize(read_jsonl(data), tokenizer, 64)[0]
+    n_prompt = 1 + len("q: 1+1")  # bos + prompt characters
+    assert example["labels"][:n_prompt] == [IGNORE_INDEX] * n_prompt
+    assert example["labels"][n_prompt:] == example["input_ids"][n_prompt:]
+
+
+@pytest.mark.parametrize(
+    "lines, message",
+    [
+        (['{"text": "ok"}', "{not json", '{"text": "fine"}', '{"txt": "x"}'],
+         r"2 malformed line\(s\):\n  line 2: not valid JSON.*\n  line 4: expected a string field 'text'"),
+        (["", "   "], "the dataset is empty"),
+        (['{"prompt": "a"}'], "line 1: a prompt/response record needs string fields"),
+        (['["a list"]'], "line 1: expected a JSON object"),
+    ],
+)
+def test_bad_datasets_are_reported_with_line_numbers(tmp_path, lines, message):
+    with pytest.raises(DatasetError, match=message):
+        read_jsonl(_write(tmp_path / "d.jsonl", lines))
+
+
+def test_missing_files_and_bad_arguments_fail_before_training(tmp_path):
+    with pytest.raises(DatasetError, match="dataset file not found"):
+        train(["--dataset", str(tmp_path / "nope.jsonl"), "--output_dir", str(tmp_path)])
+    with pytest.raises(ValueError, match="no such local path"):
+        train(["--model", str(tmp_path / "no-model"), "--output_dir", str(tmp_path)])
+    with pytest.raises(ValueError, match="--peft must be none, lora or qlora-nf4"):
+        train(["--peft", "qlora", "--output_dir", str(tmp_path)])
+    with pytest.raises(ValueError, match=r"--target_modules \['qkv'\] match no linear layer.*'q_proj'"):
+        train([*SMALL, "--peft", "lora", "--target_modules", "qkv", "--output_dir", str(tmp_path)])
+    with pytest.raises(ValueError, match="did you mean 'fast_rms_layernorm'"):
+        bad = _write(tmp_path / "foak.yaml", ["training:", "  fused_ops_and_kernels:", "    fast_rsm_layernorm: true"])
+        train([*SMALL, "--acceleration_config", str(bad), "--output_dir", str(tmp_path)])
+
+
+def test_overlong_sequences_are_truncated_and_counted():
+    tokenizer = char_tokenizer()
+    dataset = tokenize([{"text": "a" * 50}, {"text": "short"}], tokenizer, max_seq_length=16)
+    assert dataset.truncated == 1 and len(dataset[0]["input_ids"]) == 16
+
+
+def test_lora_training_saves_an_adapter(tmp_path):
+    summary = train([*SMALL, "--max_steps", "2", "--peft", "lora", "--lora_r", "4", "--output_dir", str(tmp_path)])
+    assert summary["steps"] == 2 and (tmp_path / "adapter_config.json").exists()
+
+
+def _examples():
+    tokenizer = char_tokenizer()
+    texts = ["the cat sees the ball.", "a dog likes two apples at home.", "1 2 3 4 5.", "our team calls the river."]
+    return tokenize([{"text": t} for t in texts], tokenizer, 64), tokenizer
+
+
+def _one_step(batch_size, accumulation, tmp_path, patch):
+    dataset, tokenizer = _examples()
+    model = tiny_model("llama")
+    model.resize_token_embeddings(len(tokenizer))
+    if patch:
+        foak.patch(model, fused_linear_loss=True, fast_rms_layernorm=True)
+    args = transformers.TrainingArguments(
+        output_dir=str(tmp_path), per_device_train_batch_size=batch_size, gradient_accumulation_steps=accumulation,
+        max_steps=1, learning_rate=0.5, optim="sgd", lr_scheduler_type="constant", report_to="none",
+        save_strategy="no", seed=3, max_grad_norm=1e9)
+    trainer = transformers.Trainer(model=model, args=args, train_dataset=dataset,
+                                   data_collator=PaddingCollator(tokenizer.pad_token_id))
+    trainer.train()
+    return {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+def test_gradient_accumulation_equals_one_large_batch(tmp_path):
+    # batch 4 x accumulation 1 and batch 1 x accumulation 4 take the same SGD step with foak's loss
+    # (num_items_in_batch), also against the unpatched model
+    big = _one_step(4, 1, tmp_path, patch=True)
+    accumulated = _one_step(1, 4, tmp_path, patch=True)
+    unpatched = _one_step(1, 4, tmp_path, patch=False)
+    start = {n: p.detach() for n, p in tiny_model("llama").named_parameters()}
+    for name, p in big.items():
+        if name in start and start[name].shape == p.shape:
+            step = p - start[name]
+            assert relative_error(accumulated[name] - start[name], step) < 1e-5, name
+            assert relative_error(unpatched[name] - start[name], step) < 1e-5, name
+
+
+def test_foak_callback_patches_the_trainers_model(tmp_path):
+    dataset, tokenizer = _examples()
+    model = tiny_model("llama")
+    model.resize_token_embeddings(len(tokenizer))
+    callback = FoakCallback(fast_rms_layernorm=True, fused_linear_loss=True)
+    args = transformers.TrainingArguments(output_dir=str(tmp_path), max_steps=1, report_to="none",
+                                          save_strategy="no", per_device_train_batch_size=2)
+    trainer = transformers.Trainer(model=model, args=args, train_dataset=dataset, callbacks=[callback],
+                                   data_collator=PaddingCollator(tokenizer.pad_token_id))
+    assert is_patched(model) and callback.report.count("llama.rms_norm") == 5
+    assert torch.isfinite(torch.tensor(trainer.train().training_loss))
+
+
+def test_packing_restarts_positions_and_matches_separate_sequences():
+    dataset, _ = _examples()
+    features = [dataset[i] for i in range(3)]
+    packed = PackingCollator()(features)
+    lengths = [len(f["input_ids"]) for f in features]
+    assert packed["input_ids"].shape == (1, sum(lengths)) and "attention_mask" not in packed
+    assert packed["position_ids"][0].tolist() == [i for n in lengths for i in range(n)]
+    model = tiny_model("llama")
+    model.resize_token_embeddings(64)
+    packed_loss = model(**packed).loss
+    # per-sequence losses, weighted by their trained tokens: the same mean as the packed row
+    total, count = 0.0, 0
+    for f in features:
+        ids = torch.tensor([f["input_ids"]])
+        n = len(f["input_ids"]) - 1
+        total = total + model(input_ids=ids, labels=ids).loss * n
+        count += n
+    assert relative_error(packed_loss, total / count) < 1e-5
+
+
+def test_packed_training_runs(tmp_path):
+    summary = train([*SMALL, "--max_steps", "2", "--packing", "--output_dir", str(tmp_path)])
+    assert summary["steps"] == 2 and summary["tokens"] > 0
