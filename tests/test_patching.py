@@ -39,7 +39,7 @@ _GRANITE = dict(logits_scaling=4.0, residual_multiplier=0.5, embedding_multiplie
 SPECS = {
     "llama": ("LlamaConfig", "LlamaForCausalLM", dict(_COMMON),
               dict(rms_norm=5, rope=2, swiglu=2)),
-    "mistral": ("MistralConfig", "MistralForCausalLM", dict(_COMMON, sliding_window=8),  # < the 13 tokens used
+    "mistral": ("MistralConfig", "MistralForCausalLM", dict(_COMMON, sliding_window=4),  # < the sequences used
                 dict(rms_norm=5, rope=2, swiglu=2)),
     "mixtral": ("MixtralConfig", "MixtralForCausalLM", dict(_COMMON, num_local_experts=4, **_MOE),
                 dict(rms_norm=5, rope=2, swiglu=0)),  # fused experts: no dense gated MLP module
@@ -99,7 +99,7 @@ def _restore_patched_models():
 # ---- inputs ---------------------------------------------------------------------------------------------
 
 
-def padded_batch(seq: int = 13) -> dict:
+def padded_batch(seq: int = 9) -> dict:
     """Batch 2, left padding (row 0: 1 pad, row 1: 4 pads), labels -100 at the padded positions."""
     g = torch.Generator().manual_seed(1)
     ids = torch.randint(3, VOCAB, (2, seq), generator=g)
@@ -110,7 +110,7 @@ def padded_batch(seq: int = 13) -> dict:
     return dict(input_ids=ids, attention_mask=mask, labels=ids.masked_fill(mask == 0, -100))
 
 
-def packed_batch(lengths=(5, 7, 4)) -> dict:
+def packed_batch(lengths=(4, 6, 3)) -> dict:
     """Padding-free packing: one row, position_ids restarting per sequence, no attention_mask, labels -100 at
     each sequence's first token (as DataCollatorWithFlattening builds them); no cache, as in training."""
     g = torch.Generator().manual_seed(2)
