@@ -8,6 +8,8 @@ parameter gradient.
 from __future__ import annotations
 
 import copy
+import gc
+import inspect
 import sys
 
 import pytest
@@ -16,10 +18,9 @@ import transformers
 from torch import nn
 
 import foak
-import foak.patching.replacements as replacements
 from foak.config import SWITCH_TO_RULE
 from foak.models import ARCHITECTURES, rules_for
-from foak.patching import is_patched
+from foak.patching import is_patched, replacements
 from foak.testing import relative_error
 
 TOL = 1e-5
@@ -30,34 +31,35 @@ LOSS_RULES = ("fused_linear_loss", "loss")
 
 # ---- the tiny models ----------------------------------------------------------------------------------
 
-_COMMON = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
-               num_key_value_heads=2, max_position_embeddings=64, bos_token_id=0, eos_token_id=1, pad_token_id=2)
-_MOE = dict(num_experts_per_tok=2, output_router_logits=True, router_aux_loss_coef=0.1)
-_GRANITE = dict(logits_scaling=4.0, residual_multiplier=0.5, embedding_multiplier=3.0, attention_multiplier=0.2)
+_COMMON = {"vocab_size": VOCAB, "hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 2,
+           "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 64,
+           "bos_token_id": 0, "eos_token_id": 1, "pad_token_id": 2}
+_MOE = {"num_experts_per_tok": 2, "output_router_logits": True, "router_aux_loss_coef": 0.1}
+_GRANITE = {"logits_scaling": 4.0, "residual_multiplier": 0.5, "embedding_multiplier": 3.0, "attention_multiplier": 0.2}
 
 # arch -> (config class, causal LM class, config kwargs, expected report counts per rule)
 SPECS = {
     "llama": ("LlamaConfig", "LlamaForCausalLM", dict(_COMMON),
-              dict(rms_norm=5, rope=2, swiglu=2)),
+              {"rms_norm": 5, "rope": 2, "swiglu": 2}),
     "mistral": ("MistralConfig", "MistralForCausalLM", dict(_COMMON, sliding_window=4),  # < the sequences used
-                dict(rms_norm=5, rope=2, swiglu=2)),
+                {"rms_norm": 5, "rope": 2, "swiglu": 2}),
     "mixtral": ("MixtralConfig", "MixtralForCausalLM", dict(_COMMON, num_local_experts=4, **_MOE),
-                dict(rms_norm=5, rope=2, swiglu=0)),  # fused experts: no dense gated MLP module
+                {"rms_norm": 5, "rope": 2, "swiglu": 0}),  # fused experts: no dense gated MLP module
     "granite": ("GraniteConfig", "GraniteForCausalLM", dict(_COMMON, **_GRANITE),
-                dict(rms_norm=5, rope=2, swiglu=2)),
+                {"rms_norm": 5, "rope": 2, "swiglu": 2}),
     "granitemoe": ("GraniteMoeConfig", "GraniteMoeForCausalLM", dict(_COMMON, num_local_experts=4, **_MOE, **_GRANITE),
-                   dict(rms_norm=5, rope=2, swiglu=0)),
+                   {"rms_norm": 5, "rope": 2, "swiglu": 0}),
     "gpt_bigcode": ("GPTBigCodeConfig", "GPTBigCodeForCausalLM",
-                    dict(vocab_size=VOCAB, n_embd=64, n_layer=2, n_head=4, n_inner=96, n_positions=64,
-                         resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=1),
-                    dict(rms_norm=0, rope=0, swiglu=0)),  # LayerNorm, learned positions, GELU MLP
+                    {"vocab_size": VOCAB, "n_embd": 64, "n_layer": 2, "n_head": 4, "n_inner": 96, "n_positions": 64,
+                     "resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0, "bos_token_id": 0, "eos_token_id": 1},
+                    {"rms_norm": 0, "rope": 0, "swiglu": 0}),  # LayerNorm, learned positions, GELU MLP
     "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", dict(_COMMON),
-              dict(rms_norm=5, rope=2, swiglu=2)),
+              {"rms_norm": 5, "rope": 2, "swiglu": 2}),
     "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", dict(_COMMON, head_dim=16),
-              dict(rms_norm=9, rope=2, swiglu=2)),  # + q_norm / k_norm per layer
+              {"rms_norm": 9, "rope": 2, "swiglu": 2}),  # + q_norm / k_norm per layer
     "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM",
                   dict(_COMMON, head_dim=16, num_experts=4, moe_intermediate_size=48, mlp_only_layers=[0], **_MOE),
-                  dict(rms_norm=9, rope=2, swiglu=1)),  # layer 0 dense (Qwen3MoeMLP), layer 1 sparse
+                  {"rms_norm": 9, "rope": 2, "swiglu": 1}),  # layer 0 dense (Qwen3MoeMLP), layer 1 sparse
 }
 ARCHS = list(ARCHITECTURES)
 
@@ -107,7 +109,7 @@ def padded_batch(seq: int = 9) -> dict:
     mask[0, :1] = 0
     mask[1, :4] = 0
     ids = ids.masked_fill(mask == 0, 2)
-    return dict(input_ids=ids, attention_mask=mask, labels=ids.masked_fill(mask == 0, -100))
+    return {"input_ids": ids, "attention_mask": mask, "labels": ids.masked_fill(mask == 0, -100)}
 
 
 def packed_batch(lengths=(4, 6, 3)) -> dict:
@@ -116,7 +118,7 @@ def packed_batch(lengths=(4, 6, 3)) -> dict:
     g = torch.Generator().manual_seed(2)
     ids = torch.randint(3, VOCAB, (1, sum(lengths)), generator=g)
     pos = torch.cat([torch.arange(n) for n in lengths])[None]
-    return dict(input_ids=ids, position_ids=pos, labels=ids.masked_fill(pos == 0, -100), use_cache=False)
+    return {"input_ids": ids, "position_ids": pos, "labels": ids.masked_fill(pos == 0, -100), "use_cache": False}
 
 
 # ---- comparisons ----------------------------------------------------------------------------------------
@@ -171,6 +173,9 @@ def test_patched_matches_unpatched_fused_linear_loss(arch):
         ref_out, ref_grads = loss_and_grads(ref, batch)
         assert out.logits is None  # training with labels: the logits are never materialised
         assert ref_out.logits is not None
+        if SPECS[arch][2].get("output_router_logits"):  # the router's aux loss is part of the loss
+            assert out.aux_loss is not None and ref_out.aux_loss is not None
+            assert_close(out.aux_loss, ref_out.aux_loss, f"{arch} {kind} aux loss")
         assert_close(out.loss, ref_out.loss, f"{arch} {kind} loss")
         assert_grads_close(grads, ref_grads, f"{arch} {kind}")
 
@@ -253,10 +258,12 @@ def test_state_dict_unchanged_and_save_load_round_trip(arch, tmp_path):
     model = build(arch)
     ref = copy.deepcopy(model)
     keys = list(model.state_dict().keys())
+    signature = inspect.signature(model.forward)  # HF Trainer picks dataset columns / loss kwargs from it
     params = list(model.named_parameters())
     buffers = list(model.named_buffers())
     patch(model, **all_switches())
     assert list(model.state_dict().keys()) == keys
+    assert inspect.signature(model.forward) == signature
     after = list(model.named_parameters())
     assert [n for n, _ in after] == [n for n, _ in params]
     assert all(p is q for (_, p), (_, q) in zip(after, params))
@@ -283,6 +290,7 @@ def test_restore_and_double_apply(arch):
     model = build(arch)
     ref = copy.deepcopy(model)
     modeling = modeling_module(model)
+    gc.collect()  # patched models other tests dropped without restore() release the dispatcher when collected
     original_rope = getattr(modeling, "apply_rotary_pos_emb", None)
     assert not hasattr(original_rope, "__foak_original__"), "a RoPE dispatcher leaked from an earlier test"
     assert not instance_forwards(model) and "_loss_function" not in model.__dict__
@@ -298,7 +306,7 @@ def test_restore_and_double_apply(arch):
         assert dispatcher.__foak_original__ is original_rope  # installed once, over the original
     # use the patched model once (the fused loss swaps loss functions around its forward)
     small = padded_batch(seq=5)
-    model(**small).loss.backward()
+    assert model(**small).logits is None
     with torch.no_grad():
         model(**small)
 
@@ -445,3 +453,101 @@ def test_num_items_in_batch(arch, loss_rule):
     assert relative_error(ref_out.loss, mean_loss) > 0.1  # the argument does change the loss
     assert_close(out.loss, ref_out.loss, f"{arch} {loss_rule} loss with num_items_in_batch")
     assert_grads_close(grads, ref_grads, f"{arch} {loss_rule} num_items_in_batch")
+
+
+# ---- rules whose precondition fails are reported; other gated activations ---------------------------
+
+
+def test_rule_that_cannot_apply_is_reported():
+    config_cls, model_cls, kwargs, _ = SPECS["llama"]
+    model = getattr(transformers, model_cls)(getattr(transformers, config_cls)(**dict(kwargs, hidden_act="relu")))
+    report = patch(model, **all_switches())
+    swiglu = next(r for r in report.results if r.switch == "swiglu")
+    assert swiglu.modules == 0 and swiglu.backend == "-"
+    assert "not applied" in swiglu.note and "relu" in swiglu.note, swiglu.note
+    assert "relu" in str(report)
+    assert report.count("llama.rms_norm") == 5  # the others still apply
+    assert all(type(m).forward is m.forward.__func__ for m in model.modules() if type(m).__name__ == "LlamaMLP")
+
+
+def test_geglu_mlp_matches_unpatched():
+    config_cls, model_cls, kwargs, _ = SPECS["llama"]
+    config = getattr(transformers, config_cls)(**dict(kwargs, hidden_act="gelu_pytorch_tanh"))
+    torch.manual_seed(0)
+    model = getattr(transformers, model_cls)(config)
+    ref = copy.deepcopy(model)
+    assert patch(model, fast_swiglu=True).count("llama.swiglu") == 2
+    batch = padded_batch(seq=5)
+    out, grads = loss_and_grads(model, batch)
+    ref_out, ref_grads = loss_and_grads(ref, batch)
+    assert_close(out.loss, ref_out.loss, "geglu loss")
+    assert_grads_close(grads, ref_grads, "geglu")
+
+
+# ---- regressions of bugs found while writing these tests ------------------------------------------
+
+
+def test_fused_linear_loss_return_dict_false():
+    model = build("llama")
+    ref = copy.deepcopy(model)
+    patch(model, fused_linear_loss=True)
+    batch = padded_batch(seq=5)
+    out = model(**batch, return_dict=False)
+    assert_close(out[0], ref(**batch).loss, "loss (return_dict=False)")
+
+
+def test_rms_norm_with_gradient_checkpointing():
+    model = build("llama")
+    ref = copy.deepcopy(model)
+    for m in (model, ref):
+        m.activation_checkpointing_enable()  # transformers' default: non-reentrant torch.utils.checkpoint
+        m.train()
+    patch(model, fast_rms_layernorm=True)
+    batch = padded_batch(seq=5)
+    out, grads = loss_and_grads(model, batch)
+    ref_out, ref_grads = loss_and_grads(ref, batch)
+    assert_close(out.loss, ref_out.loss, "loss with gradient checkpointing")
+    assert_grads_close(grads, ref_grads, "gradient checkpointing")
+
+
+def test_deepcopy_of_a_patched_model():
+    model = build("llama")
+    patch(model, fast_rms_layernorm=True)
+    clone = copy.deepcopy(model)
+    _PATCHED.append(clone)
+    with torch.no_grad():
+        clone.model.norm.weight.mul_(2.0)
+        expected = build("llama")
+        expected.load_state_dict(clone.state_dict())  # the clone's own weights, HF's forward
+        batch = padded_batch(seq=5)
+        assert_close(clone(**batch).logits, expected(**batch).logits, "deepcopy of a patched model")
+    # each copy owns its patch: restoring the clone leaves the original patched, then both restore cleanly
+    assert foak.patching.is_patched(clone) and foak.patching.is_patched(model)
+    foak.restore(clone)
+    assert foak.patching.is_patched(model) and "forward" in model.model.norm.__dict__
+    foak.restore(model)
+    assert "forward" not in model.model.norm.__dict__
+
+
+def test_deepcopy_then_restore_both_with_every_rule():
+    model = build("llama")
+    modeling = sys.modules[type(model).__module__]
+    gc.collect()  # models other tests patched and dropped release the RoPE dispatcher when collected
+    original_rope = modeling.apply_rotary_pos_emb
+    assert not hasattr(original_rope, "__foak_original__")
+    patch(model, fast_rms_layernorm=True, fast_rope_embeddings=True, fast_swiglu=True, fused_linear_loss=True)
+    clone = copy.deepcopy(model)
+    batch = padded_batch(seq=5)
+    assert_close(clone(**batch).loss, model(**batch).loss, "loss of a deepcopy of a patched model")
+    foak.restore(clone)
+    assert modeling.apply_rotary_pos_emb is not original_rope  # the original still needs the dispatcher
+    foak.restore(model)
+    assert modeling.apply_rotary_pos_emb is original_rope
+
+
+def test_patching_again_with_other_switches_is_an_error():
+    model = build("llama")
+    report = patch(model, fast_rms_layernorm=True)
+    assert patch(model, fast_rms_layernorm=True) is report
+    with pytest.raises(ValueError, match=r"already patched with \['llama.rms_norm'\]; call foak.restore"):
+        patch(model, fast_rms_layernorm=True, fast_rope_embeddings=True)

@@ -125,7 +125,7 @@ class PackingCollator:
             ids += f["input_ids"]
             labels += [IGNORE_INDEX] + f["labels"][1:]
             positions += list(range(len(f["input_ids"])))
-        as_row = lambda values: torch.tensor([values], dtype=torch.long)  # noqa: E731
+        as_row = lambda values: torch.tensor([values], dtype=torch.long)
         return {"input_ids": as_row(ids), "labels": as_row(labels), "position_ids": as_row(positions),
                 "use_cache": False}
 

@@ -11,6 +11,7 @@ import contextvars
 import functools
 import sys
 import threading
+import weakref
 
 import torch
 from torch import nn
@@ -32,7 +33,9 @@ def rms_norm_rule(arch: str, norm_class: type, mode: str = "llama") -> Rule:
             raise ValueError(f"{arch}.rms_norm: {type(module).__name__} has no variance_epsilon/eps attribute")
 
         def forward(hidden_states):
-            return rms_norm(hidden_states, module.weight, eps, mode)
+            # out-of-place backward: a decoder layer's input is also saved by activation checkpointing,
+            # so writing dx into it would break (loudly) HF's gradient checkpointing
+            return rms_norm(hidden_states, module.weight, eps, mode, inplace_backward=False)
 
         return forward
 
@@ -66,7 +69,7 @@ def glu_mlp_rule(arch: str, mlp_class: type) -> Rule:
 
         return forward
 
-    has_projections = lambda m, model: all(hasattr(m, p) for p in ("gate_proj", "up_proj", "down_proj"))  # noqa: E731
+    has_projections = lambda m, model: all(hasattr(m, p) for p in ("gate_proj", "up_proj", "down_proj"))
     return Rule(f"{arch}.swiglu", "swiglu", Trigger(mlp_class, predicate=has_projections), patch, skip_reason)
 
 
@@ -74,7 +77,8 @@ def glu_mlp_rule(arch: str, mlp_class: type) -> Rule:
 # The modeling files look ``apply_rotary_pos_emb`` up in their module globals at call time. foak swaps
 # that global for a dispatcher that runs foak's kernel only inside the forward of a patched attention
 # module (a context variable marks it) and the original everywhere else, so an unpatched model in the
-# same process computes exactly what it did. The global is restored when the last model using it is.
+# same process computes exactly what it did. The global is restored when the last model using it is
+# restored or garbage-collected.
 _ROPE_ACTIVE = contextvars.ContextVar("foak_rope_active", default=False)
 _rope_lock = threading.Lock()
 _rope_installs: dict[tuple[str, str], list] = {}  # (module, name) -> [original, refcount]
@@ -130,7 +134,8 @@ def rope_rule(arch: str, attention_class: type, function_name: str = "apply_rota
 
     def patch(module, model, state):
         _install_rope(module_name, function_name)
-        state.on_restore(lambda: _uninstall_rope(module_name, function_name))
+        # released by restore(), or when the module is garbage-collected without one
+        state.on_restore(weakref.finalize(module, _uninstall_rope, module_name, function_name))
         original_forward = module.forward
 
         @functools.wraps(original_forward)  # keeps the signature (HF Trainer inspects it)
@@ -227,6 +232,8 @@ def fused_linear_loss_rule(arch: str, causal_lm_class: type) -> Rule:
                 out = original_forward(*args, **kwargs)
             finally:
                 _HIDDEN_PASSTHROUGH.reset(token)
+            if isinstance(out, tuple):  # return_dict=False: (loss, logits, ...)
+                return (out[0], None, *out[2:])
             out["logits"] = None  # they were never computed
             return out
 

@@ -99,9 +99,15 @@ _MISSING = object()
 
 
 def apply(model: nn.Module, rules: list[Rule], model_type: str = "") -> PatchReport:
-    """Patch ``model`` in place with ``rules``; applying again is a no-op that returns the first report."""
-    state = getattr(model, _STATE_ATTR, None)
+    """Patch ``model`` in place with ``rules``; applying the same rules again is a no-op that returns the
+    first report, applying different ones is an error (restore first)."""
+    state = model.__dict__.get(_STATE_ATTR)
     if state is not None:
+        if [r.id for r in state.rules] != [r.id for r in rules]:
+            raise ValueError(
+                f"model is already patched with {[r.id for r in state.rules]}; call foak.restore(model) before "
+                f"patching it with a different set of rules ({[r.id for r in rules]})"
+            )
         return state.report
     report = PatchReport(model_type or type(model).__name__)
     state = PatchState(report)
@@ -124,7 +130,11 @@ def apply(model: nn.Module, rules: list[Rule], model_type: str = "") -> PatchRep
     except BaseException:
         _undo(state)
         raise
+    state.rules, state.model_type = list(rules), model_type
     object.__setattr__(model, _STATE_ATTR, state)  # a plain attribute: not a submodule, not in state_dict
+    # the replacement forwards close over this model's modules: a deepcopy (a TRL reference model, an EMA
+    # copy) must get its own patch, not share ours
+    object.__setattr__(model, "__deepcopy__", lambda memo: _deepcopy_patched(model, memo))
     return report
 
 
@@ -132,8 +142,25 @@ def restore(model: nn.Module) -> nn.Module:
     """Undo every patch of ``model`` (a model that was never patched is returned unchanged)."""
     state = model.__dict__.pop(_STATE_ATTR, None)
     if state is not None:
+        model.__dict__.pop("__deepcopy__", None)
         _undo(state)
     return model
+
+
+def _deepcopy_patched(model: nn.Module, memo: dict) -> nn.Module:
+    """deepcopy of a patched model: copy the unpatched model, then patch the copy (and the original again)
+    with the same rules."""
+    import copy
+
+    state = model.__dict__[_STATE_ATTR]
+    rules, model_type = state.rules, state.model_type
+    restore(model)
+    try:
+        clone = copy.deepcopy(model, memo)
+    finally:
+        apply(model, rules, model_type)
+    apply(clone, rules, model_type)
+    return clone
 
 
 def is_patched(model: nn.Module) -> bool:
