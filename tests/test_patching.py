@@ -551,3 +551,17 @@ def test_patching_again_with_other_switches_is_an_error():
     assert patch(model, fast_rms_layernorm=True) is report
     with pytest.raises(ValueError, match=r"already patched with \['llama.rms_norm'\]; call foak.restore"):
         patch(model, fast_rms_layernorm=True, fast_rope_embeddings=True)
+
+
+def test_every_kernel_with_gradient_checkpointing():
+    model = build("llama")
+    ref = copy.deepcopy(model)
+    for m in (model, ref):
+        m.gradient_checkpointing_enable()
+        m.train()
+    patch(model, **all_switches())
+    batch = padded_batch(seq=5)
+    out, grads = loss_and_grads(model, batch)
+    ref_out, ref_grads = loss_and_grads(ref, batch)
+    assert_close(out.loss, ref_out.loss, "loss with gradient checkpointing, all kernels")
+    assert_grads_close(grads, ref_grads, "gradient checkpointing, all kernels")
