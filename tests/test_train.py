@@ -155,3 +155,20 @@ def test_packing_restarts_positions_and_matches_separate_sequences():
 def test_packed_training_runs(tmp_path):
     summary = train([*SMALL, "--max_steps", "2", "--packing", "--output_dir", str(tmp_path)])
     assert summary["steps"] == 2 and summary["tokens"] > 0
+
+
+def test_qlora_nf4_with_kernels_saves_an_adapter(tmp_path):
+    model_dir, data = tmp_path / "tiny", tmp_path / "d.jsonl"
+    tokenizer = char_tokenizer()
+    model = tiny_model("llama")
+    model.resize_token_embeddings(len(tokenizer))
+    model.save_pretrained(model_dir)
+    tokenizer.save_pretrained(model_dir)
+    _write(data, [json.dumps({"prompt": "q: the cat", "response": " sees the ball."})] * 8)
+    config = _write(tmp_path / "foak.yaml", ["peft:", "  quantization:", "    fused_ops_and_kernels:",
+                                             "      fast_rms_layernorm: true", "      fused_linear_loss: true"])
+    summary = train(["--model", str(model_dir), "--dataset", str(data), "--peft", "qlora-nf4", "--lora_r", "4",
+                     "--max_steps", "2", "--per_device_train_batch_size", "2", "--acceleration_config", str(config),
+                     "--output_dir", str(tmp_path / "out")])
+    assert summary["steps"] == 2 and torch.isfinite(torch.tensor(summary["final_loss"]))
+    assert (tmp_path / "out" / "adapter_config.json").exists()

@@ -210,7 +210,8 @@ def train(argv: list[str]) -> dict:
     output_dir = Path(training_args.output_dir)
     trainer.save_model(str(output_dir))
     tokenizer.save_pretrained(str(output_dir))
-    losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
+    # logged losses (every logging_steps); a run shorter than one logging interval has only its average
+    losses = [h["loss"] for h in trainer.state.log_history if "loss" in h] or [result.training_loss]
     plot_loss(trainer.state.log_history, output_dir / "loss_curve.png")
     peak, peak_kind = _peak_memory_gib()
     summary = {"steps": result.global_step, "seconds": seconds, "tokens": collator.tokens,
