@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -49,7 +49,6 @@ class Case:
     reference: Callable
     make: Callable
     dtypes: tuple = (torch.float32, torch.bfloat16)
-    extra: dict = field(default_factory=dict)
 
     def run(self, dtype: torch.dtype, device="cpu", seed: int = 0) -> dict[str, float]:
         """Relative errors of each output (``out0``…) and each gradient (``grad_<name>``)."""

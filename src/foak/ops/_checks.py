@@ -29,11 +29,6 @@ def check_same_dtype(op: str, **tensors: torch.Tensor) -> None:
         raise ValueError(f"{op}: tensors must share one dtype; got {listing}")
 
 
-def check_shape(op: str, name: str, t: torch.Tensor, expected: tuple, what: str) -> None:
-    if tuple(t.shape) != tuple(expected):
-        raise ValueError(f"{op}: {name} has shape {tuple(t.shape)}; expected {tuple(expected)} ({what})")
-
-
 def rows_view(t: torch.Tensor, n_cols: int) -> torch.Tensor:
     """A 2-D [rows, n_cols] view with unit column stride and one row stride (copying only if needed)."""
     t2 = t.reshape(-1, n_cols) if t.dim() != 2 else t

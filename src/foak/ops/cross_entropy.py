@@ -328,7 +328,7 @@ class _CrossEntropyFunction(torch.autograd.Function):
         # logits: 2-D with unit column stride; target 1-D; scale: device scalar (mean/sum) or None (none)
         ctx.options, ctx.reduction, ctx.inplace, ctx.used = options, reduction, inplace, False
         if reduction == "none":
-            loss, lse, z_loss, _ = _forward_op(logits, target, _ONE(logits.device), **options, compute_grad=False)
+            loss, lse, z_loss, _ = _forward_op(logits, target, _one(logits.device), **options, compute_grad=False)
             ctx.save_for_backward(logits, target, lse)
             ctx.mark_non_differentiable(z_loss)
             return loss, z_loss
@@ -362,7 +362,7 @@ class _CrossEntropyFunction(torch.autograd.Function):
         return scale_unless_one_(grad, dloss.float()), None, None, None, None, None
 
 
-def _ONE(device):
+def _one(device):
     return torch.ones((), dtype=torch.float32, device=device)
 
 
@@ -440,8 +440,6 @@ def cross_entropy(
         raise ValueError(f"{op}: {logits.shape[-1]} classes exceed the supported maximum {MAX_VOCAB}")
     n_classes = logits.shape[-1]
     n_rows = logits.numel() // n_classes
-    if isinstance(target, torch.Tensor) and target.shape != logits.shape[:-1] and target.numel() == n_rows:
-        pass  # flat targets for [..., V] logits are accepted
     _check_targets(op, target, n_rows, n_classes, ignore_index, logits.device, check_targets)
     check_loss_options(op, reduction, label_smoothing, lse_square_scale, softcap, logits_scaling, num_items_in_batch)
     if inplace_backward and not logits.is_contiguous():
@@ -465,7 +463,7 @@ def cross_entropy(
     if training:
         loss, z_loss = _CrossEntropyFunction.apply(logits2, target1, scale, options, reduction, inplace)
     else:
-        rows, _, z_rows, _ = _forward_op(logits2, target1, _ONE(logits.device), **options, compute_grad=False)
+        rows, _, z_rows, _ = _forward_op(logits2, target1, _one(logits.device), **options, compute_grad=False)
         loss, z_loss = (rows, z_rows) if reduction == "none" else (rows.sum() * scale, z_rows.sum() * scale)
     if reduction == "none":
         loss, z_loss = loss.view(target.shape), z_loss.view(target.shape)
