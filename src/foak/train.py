@@ -135,7 +135,8 @@ def apply_peft(model, foak_args):
     import peft
 
     if foak_args.peft == "qlora-nf4":
-        model = peft.prepare_model_for_kbit_training(model)
+        model = peft.prepare_model_for_kbit_training(
+            model, gradient_checkpointing_kwargs={"use_reentrant": False})
     config = peft.LoraConfig(r=foak_args.lora_r, lora_alpha=foak_args.lora_alpha,
                              lora_dropout=foak_args.lora_dropout, target_modules=foak_args.target_modules,
                              task_type="CAUSAL_LM")
