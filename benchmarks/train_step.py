@@ -2,8 +2,10 @@
 its own process so that peak memory is clean. Models are built from configs with random weights
 (ANCHORS.md dims); input = random token ids, labels = inputs; bf16 weights, fused AdamW, sdpa.
 
-    python3 benchmarks/train_step.py --out DIR [--models llama1b] [--variants hf foak liger]
+    python3 benchmarks/train_step.py --out DIR [--models llama1b ...] [--variants hf foak liger]
+                                     [--checkpointing] [--packed]
     python3 benchmarks/train_step.py --one llama1b foak      # a single variant (what the driver runs)
+    python3 benchmarks/train_step.py --models tiny --variants hf foak --device cpu --out /tmp/x  # smoke
 """
 
 from __future__ import annotations
@@ -28,56 +30,94 @@ MODELS = {
     "llama8b-8l": ("LlamaConfig", dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=8,
                                        num_attention_heads=32, num_key_value_heads=8, vocab_size=128256,
                                        max_position_embeddings=8192), 2, 4096),
+    "mixtral-small": ("MixtralConfig", dict(hidden_size=2048, intermediate_size=5632, num_hidden_layers=8,
+                                            num_attention_heads=16, num_key_value_heads=8, num_local_experts=8,
+                                            num_experts_per_tok=2, vocab_size=32000,
+                                            max_position_embeddings=8192), 4, 4096),
+    # CPU smoke test of this script's code paths (--device cpu)
+    "tiny": ("LlamaConfig", dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+                                 num_key_value_heads=2, vocab_size=301, max_position_embeddings=256), 2, 64),
 }
 WARMUP, TIMED = 3, 8
 
 
-def run_one(model_name: str, variant: str) -> dict:
+def packed_inputs(batch: int, seq: int, vocab: int, gen, device):
+    """Each row packs random-length sequences (seq/16 .. seq/2 tokens) with restarting position_ids;
+    labels are -100 at each sequence start (nothing predicts across sequences)."""
+    ids = torch.randint(0, vocab, (batch, seq), device=device, generator=gen)
+    positions = torch.empty((batch, seq), dtype=torch.long)
+    labels = ids.clone()
+    cpu_gen = torch.Generator().manual_seed(int(torch.randint(0, 2**31, (1,), generator=gen, device=device)))
+    for row in range(batch):
+        start = 0
+        while start < seq:
+            n = min(seq - start, int(torch.randint(seq // 16, seq // 2 + 1, (1,), generator=cpu_gen)))
+            positions[row, start:start + n] = torch.arange(n)
+            labels[row, start] = -100
+            start += n
+    return {"input_ids": ids, "labels": labels, "position_ids": positions.to(device), "use_cache": False}
+
+
+def run_one(model_name: str, variant: str, checkpointing: bool = False, packed: bool = False,
+            device: str = "cuda") -> dict:
     import transformers
 
     class_name, dims, batch, seq = MODELS[model_name]
     config = getattr(transformers, class_name)(**dims)
     config._attn_implementation = "sdpa"
     torch.manual_seed(0)
-    with torch.device("cuda"):
-        model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    with torch.device(device):
+        model = transformers.AutoModelForCausalLM.from_config(config, dtype=dtype)
     model.config.use_cache = False
+    if checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     model.train()
     report = None
     if variant == "foak":
         import foak
+        from foak.models import rules_for
 
-        report = str(foak.patch(model, fast_rms_layernorm=True, fast_rope_embeddings=True, fast_swiglu=True,
-                                fused_linear_loss=True, mixed_precision="no"))
+        switches = {r.switch for r in rules_for(model)}
+        report = str(foak.patch(model, fast_rms_layernorm=True, fast_rope_embeddings=True,
+                                fast_swiglu="swiglu" in switches, fused_linear_loss=True, mixed_precision="no"))
     elif variant == "liger":
-        from liger_kernel.transformers import apply_liger_kernel_to_llama
+        import liger_kernel.transformers as liger
 
-        apply_liger_kernel_to_llama(model=model)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=True)
-    gen = torch.Generator(device="cuda").manual_seed(1)
-    batches = [torch.randint(0, config.vocab_size, (batch, seq), device="cuda", generator=gen)
-               for _ in range(WARMUP + TIMED)]
+        getattr(liger, f"apply_liger_kernel_to_{config.model_type}")(model=model)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=device == "cuda")
+    gen = torch.Generator(device=device).manual_seed(1)
+    if packed:
+        batches = [packed_inputs(batch, seq, config.vocab_size, gen, device) for _ in range(WARMUP + TIMED)]
+    else:
+        batches = []
+        for _ in range(WARMUP + TIMED):
+            ids = torch.randint(0, config.vocab_size, (batch, seq), device=device, generator=gen)
+            batches.append({"input_ids": ids, "labels": ids})
     losses = []
 
-    def step(ids):
-        loss = model(input_ids=ids, labels=ids).loss
+    def step(inputs):
+        loss = model(**inputs).loss
         loss.backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         return loss.detach()
 
-    for ids in batches[:WARMUP]:
-        losses.append(step(ids))
-    torch.cuda.synchronize()
-    torch.cuda.reset_peak_memory_stats()
+    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
+    for inputs in batches[:WARMUP]:
+        losses.append(step(inputs))
+    sync()
+    if device == "cuda":
+        torch.cuda.reset_peak_memory_stats()
     start = time.perf_counter()
-    for ids in batches[WARMUP:]:
-        losses.append(step(ids))
-    torch.cuda.synchronize()
+    for inputs in batches[WARMUP:]:
+        losses.append(step(inputs))
+    sync()
     seconds = time.perf_counter() - start
-    return {"model": model_name, "variant": variant, "batch": batch, "seq": seq,
-            "tokens_per_s": TIMED * batch * seq / seconds, "step_ms": seconds / TIMED * 1e3,
-            "peak_gib": torch.cuda.max_memory_allocated() / 2**30,
+    return {"model": model_name, "variant": variant, "checkpointing": checkpointing, "packed": packed,
+            "batch": batch, "seq": seq, "tokens_per_s": TIMED * batch * seq / seconds,
+            "step_ms": seconds / TIMED * 1e3,
+            "peak_gib": torch.cuda.max_memory_allocated() / 2**30 if device == "cuda" else float("nan"),
             "losses": [float(x) for x in losses], "patch_report": report}
 
 
@@ -86,16 +126,21 @@ def main() -> int:
     parser.add_argument("--out", default="benchmarks/results")
     parser.add_argument("--models", nargs="*", default=list(MODELS))
     parser.add_argument("--variants", nargs="*", default=["hf", "foak", "liger"])
+    parser.add_argument("--checkpointing", action="store_true", help="gradient checkpointing (non-reentrant)")
+    parser.add_argument("--packed", action="store_true", help="rows of packed variable-length sequences")
+    parser.add_argument("--device", default="cuda", help="cpu: a smoke test of the code paths (use --models tiny)")
     parser.add_argument("--one", nargs=2, metavar=("MODEL", "VARIANT"))
     args = parser.parse_args()
     if args.one:
-        print("RESULT " + json.dumps(run_one(*args.one)), flush=True)
+        result = run_one(*args.one, checkpointing=args.checkpointing, packed=args.packed, device=args.device)
+        print("RESULT " + json.dumps(result), flush=True)
         return 0
+    flags = [f for f, on in (("--checkpointing", args.checkpointing), ("--packed", args.packed)) if on]
     rows = []
     for model_name in args.models:
         for variant in args.variants:
-            proc = subprocess.run([sys.executable, __file__, "--one", model_name, variant],
-                                  capture_output=True, text=True, env=os.environ)
+            proc = subprocess.run([sys.executable, __file__, "--one", model_name, variant, *flags,
+                                   "--device", args.device], capture_output=True, text=True, env=os.environ)
             line = next((x for x in proc.stdout.splitlines() if x.startswith("RESULT ")), None)
             if line is None:
                 tail = (proc.stderr or proc.stdout).strip().splitlines()[-3:]
@@ -107,10 +152,11 @@ def main() -> int:
     import triton
 
     result = {"date_utc": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-              "gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
+              "gpu": torch.cuda.get_device_name() if args.device == "cuda" else "cpu (smoke test)", "torch": torch.__version__, "triton": triton.__version__,
               "transformers": transformers.__version__, "warmup_steps": WARMUP, "timed_steps": TIMED, "rows": rows}
     Path(args.out).mkdir(parents=True, exist_ok=True)
-    (Path(args.out) / "train_step_h200.json").write_text(json.dumps(result, indent=1))
+    suffix = "".join(f"_{f.lstrip('-')}" for f in flags)
+    (Path(args.out) / f"train_step_h200{suffix}.json").write_text(json.dumps(result, indent=1))
     print("| model | variant | tokens/s | peak GiB | step ms | first losses |")
     print("|---|---|---|---|---|---|")
     for r in rows:
