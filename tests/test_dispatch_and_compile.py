@@ -168,3 +168,9 @@ def test_cli_verify_model_passes_every_rule(capsys, arch):
     out = capsys.readouterr().out
     assert "FAIL" not in out and "fused_linear_loss" in out
     assert f"tiny {arch}" in out
+
+
+def test_cli_verify_bf16_compares_against_an_fp32_copy(capsys):
+    assert main(["verify", "--arch", "qwen3_moe", "--dtype", "bfloat16"]) == 0
+    out = capsys.readouterr().out
+    assert "beyond the unpatched bfloat16 model's own" in out and "FAIL" not in out

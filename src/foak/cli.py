@@ -87,6 +87,11 @@ def _verify_model(args, device, backend) -> int:
           "loss and every parameter gradient after one forward+backward")
     rows = verify_model(model, args.rules)
     print(format_rows(rows))
+    if args.dtype == "float32":
+        print("* vs the unpatched model")
+    else:
+        print(f"* the gradient error foak adds beyond the unpatched {args.dtype} model's own (all gradients as "
+              "one vector, both against an fp32 copy)")
     failed = [r.name for r in rows if not r.passed]
     print(f"verify: {len(rows) - len(failed)} of {len(rows)} rule checks within tolerance")
     return 1 if failed else 0

@@ -49,22 +49,35 @@ def _loss_and_grads(model, batch):
     return loss.detach(), grads
 
 
-def _compare(name, modules, ref, got, tolerance) -> VerifyRow:
+def _errors(ref, got) -> tuple[float, dict[str, float]]:
+    """Relative error of the loss and of every parameter gradient of ``got`` against ``ref``."""
     (ref_loss, ref_grads), (loss, grads) = ref, got
     if ref_grads.keys() != grads.keys():
         missing = sorted(ref_grads.keys() ^ grads.keys())
-        return VerifyRow(name, modules, relative_error(loss, ref_loss), float("inf"),
-                         f"gradient missing on one side: {missing[:3]}", tolerance)
-    worst, worst_name = 0.0, "-"
-    for n, g in ref_grads.items():
-        err = relative_error(grads[n], g)
-        if not err <= worst:  # also catches NaN
-            worst, worst_name = err, n
-    return VerifyRow(name, modules, relative_error(loss, ref_loss), worst, worst_name, tolerance)
+        raise ValueError(f"gradient missing on one side: {missing[:3]}")
+    return relative_error(loss, ref_loss), {n: relative_error(grads[n], g) for n, g in ref_grads.items()}
+
+
+def _global_error(ref, got) -> float:
+    """Relative error of all parameter gradients taken as one vector."""
+    names = sorted(ref[1])
+    flat = lambda grads: torch.cat([grads[n].double().flatten() for n in names])  # noqa: E731
+    return relative_error(flat(got[1]), flat(ref[1]))
+
+
+def _row(name, modules, loss_error, grad_errors, tolerance) -> VerifyRow:
+    worst_name = max(grad_errors, key=lambda n: grad_errors[n] if grad_errors[n] == grad_errors[n] else float("inf"))
+    return VerifyRow(name, modules, loss_error, grad_errors[worst_name], worst_name, tolerance)
 
 
 def verify_model(model, switches: list[str] | None = None, batch=None) -> list[VerifyRow]:
-    """One row per enabled rule (patched alone) plus one with all of them; the model itself is not patched."""
+    """One row per enabled rule (patched alone) plus one with all of them; the model itself is not patched.
+
+    fp32 models: the patched model's loss and gradients against the unpatched model's (<= 1e-5 relative).
+    bf16/fp16 models: both are compared with an fp32 copy of the unpatched model, and a row reports how
+    much error foak adds on top of HF's own low-precision error, over all gradients taken together (it
+    must stay within the tolerance), since two low-precision runs differ from each other by rounding alone.
+    """
     from foak.models import rules_for
     from foak.patching import patch
 
@@ -79,7 +92,12 @@ def verify_model(model, switches: list[str] | None = None, batch=None) -> list[V
     tolerance = TOLERANCE[dtype]
     if batch is None:
         batch = fixed_batch(model.config.vocab_size, device=next(model.parameters()).device)
-    reference = _loss_and_grads(copy.deepcopy(model), batch)
+    unpatched = _loss_and_grads(copy.deepcopy(model), batch)
+    if dtype == torch.float32:
+        reference, baseline = unpatched, None
+    else:
+        reference = _loss_and_grads(copy.deepcopy(model).float(), batch)
+        baseline = _global_error(reference, unpatched)
     rows = []
     combos = [[s] for s in switches] + ([switches] if len(switches) > 1 else [])
     for combo in combos:
@@ -87,12 +105,20 @@ def verify_model(model, switches: list[str] | None = None, batch=None) -> list[V
         report = patch(patched, **{SWITCH_KEYS[s]: True for s in combo})
         modules = sum(r.modules for r in report.results)
         name = combo[0] if len(combo) == 1 else "all: " + ", ".join(combo)
-        rows.append(_compare(name, modules, reference, _loss_and_grads(patched, batch), tolerance))
+        got = _loss_and_grads(patched, batch)
+        loss_error = _errors(unpatched, got)[0]
+        if baseline is None:
+            rows.append(_row(name, modules, loss_error, _errors(reference, got)[1], tolerance))
+        else:  # the error foak adds beyond HF's own in this precision, over all gradients together
+            # (per parameter, a bf16 rounding difference can flip an MoE router's top-k and move that
+            # router's small gradient a lot, in either implementation)
+            excess = max(0.0, _global_error(reference, got) - baseline)
+            rows.append(VerifyRow(name, modules, loss_error, excess, "(all gradients)", tolerance))
     return rows
 
 
 def format_rows(rows: list[VerifyRow]) -> str:
-    header = ("rule", "modules", "loss rel. error", "max grad rel. error", "worst parameter", "tolerance", "result")
+    header = ("rule", "modules", "loss rel. error", "max grad rel. error*", "worst parameter", "tolerance", "result")
     body = [(r.name, str(r.modules), f"{r.loss_error:.2e}", f"{r.grad_error:.2e}", r.worst_param,
              f"{r.tolerance:.0e}", "PASS" if r.passed else "FAIL") for r in rows]
     widths = [max(len(line[i]) for line in [header, *body]) for i in range(len(header))]
