@@ -151,9 +151,9 @@ def test_cli_verify_ops_passes_and_prints_a_table(capsys):
     assert main(["verify", "--ops"]) == 0
     out = capsys.readouterr().out
     assert "backend: triton-interpreter" in out
-    for op in ("rms_norm", "rope", "glu", "cross_entropy", "linear_cross_entropy"):
+    for op in ("rms_norm", "rope", "glu", "glu_linear", "cross_entropy", "linear_cross_entropy"):
         assert f"| {op}" in out
-    assert "FAIL" not in out and "self-check: 20 of 20 cases within tolerance" in out
+    assert "FAIL" not in out and "self-check: 24 of 24 cases within tolerance" in out
 
 
 def test_cli_info(capsys):

@@ -329,7 +329,7 @@ def test_restore_and_double_apply(arch):
 
 # ---- 5. a patched and an unpatched model in one process -----------------------------------------------
 
-_KERNELS = ("rms_norm", "rope", "glu", "cross_entropy", "linear_cross_entropy")
+_KERNELS = ("rms_norm", "rope", "glu", "glu_linear", "cross_entropy", "linear_cross_entropy")
 
 
 @pytest.fixture
@@ -364,7 +364,8 @@ def test_patched_and_unpatched_side_by_side(arch, kernel_calls):
 
     p_out, p_grads = loss_and_grads(patched_model, batch)
     expected = {"rms_norm": SPECS[arch][3]["rms_norm"] > 0, "rope": SPECS[arch][3]["rope"] > 0,
-                "glu": SPECS[arch][3]["swiglu"] > 0, "linear_cross_entropy": True, "cross_entropy": False}
+                "glu": False,  # the plain nn.Linear down_proj takes the fused glu_linear path
+                "glu_linear": SPECS[arch][3]["swiglu"] > 0, "linear_cross_entropy": True, "cross_entropy": False}
     assert {k: v > 0 for k, v in kernel_calls.items()} == expected, (kernel_calls, str(report))
     if expected["rms_norm"]:
         assert kernel_calls["rms_norm"] == SPECS[arch][3]["rms_norm"]

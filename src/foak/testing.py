@@ -15,6 +15,7 @@ import torch
 
 from foak.ops.activations import glu, glu_reference
 from foak.ops.cross_entropy import cross_entropy, cross_entropy_reference
+from foak.ops.glu_linear import glu_linear, glu_linear_reference
 from foak.ops.linear_cross_entropy import linear_cross_entropy, linear_cross_entropy_reference
 from foak.ops.rms_norm import rms_norm, rms_norm_reference
 from foak.ops.rope import rope, rope_reference
@@ -152,6 +153,26 @@ def glu_case(shape, activation="silu", chunked=False, name=None) -> Case:
     return Case("glu", label, call(glu), call(glu_reference), make)
 
 
+def glu_linear_case(shape, out_features, activation="silu", bias=False, chunked=False, name=None) -> Case:
+    def make(dtype, device, gen):
+        kw = {"g": _randn(shape, dtype, device, gen, 2.0), "u": _randn(shape, dtype, device, gen),
+              "weight": _randn((out_features, shape[-1]), dtype, device, gen, shape[-1] ** -0.5)}
+        if bias:
+            kw["bias"] = _randn(out_features, dtype, device, gen)
+        return kw, tuple(kw)
+
+    def call(fn):
+        def run(g, u, weight, bias=None):
+            if chunked:  # strided halves of one intermediate (a fused gate_up projection)
+                g, u = torch.cat((g, u), dim=-1).chunk(2, dim=-1)
+            return fn(g, u, weight, bias, activation)
+
+        return run
+
+    label = name or f"{activation} {list(shape)}->{out_features}{' +bias' if bias else ''}{' chunked' if chunked else ''}"
+    return Case("glu_linear", label, call(glu_linear), call(glu_linear_reference), make)
+
+
 def _describe(options: dict) -> str:
     return " ".join(f"{k}={v}" for k, v in options.items())
 
@@ -194,6 +215,8 @@ def self_check_cases() -> list[Case]:
         glu_case((37, 129), "silu"),
         glu_case((5, 67), "gelu"),
         glu_case((5, 67), "gelu_tanh", chunked=True),
+        glu_linear_case((3, 7, 129), 37, "silu"),
+        glu_linear_case((13, 67), 21, "gelu_tanh", bias=True, chunked=True),
         cross_entropy_case(13, 1003, label_smoothing=0.1, lse_square_scale=1e-3, softcap=5.0),
         linear_cross_entropy_case(13, 33, 1003, reduction="sum"),
     ]

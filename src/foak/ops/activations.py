@@ -98,8 +98,8 @@ def _glu_forward_kernel(
 
 @triton.jit
 def _glu_backward_kernel(
-    DH, dh_stride, G, g_stride, U, u_stride, DG, dg_stride, DU, du_stride, n_cols, n_col_blocks,
-    ACT: tl.constexpr, BLOCK: tl.constexpr, EVICTION: tl.constexpr,
+    DH, dh_stride, G, g_stride, U, u_stride, DG, dg_stride, DU, du_stride, H, h_stride, n_cols, n_col_blocks,
+    ACT: tl.constexpr, BLOCK: tl.constexpr, EVICTION: tl.constexpr, STORE_H: tl.constexpr,
 ):
     row, cols, mask = _block_offsets(n_cols, n_col_blocks, BLOCK)
     dh = tl.load(DH + row * dh_stride + cols, mask=mask, other=0.0, eviction_policy=EVICTION).to(tl.float32)
@@ -108,6 +108,8 @@ def _glu_backward_kernel(
     a, da = _activation_and_grad(g, ACT, True)
     tl.store(DG + row * dg_stride + cols, (dh * u * da).to(DG.dtype.element_ty), mask=mask)
     tl.store(DU + row * du_stride + cols, (dh * a).to(DU.dtype.element_ty), mask=mask)
+    if STORE_H:  # the forward output again, for a consumer that did not keep it (foak.ops.glu_linear)
+        tl.store(H + row * h_stride + cols, (a * u).to(H.dtype.element_ty), mask=mask)
 
 
 # 3. launchers -------------------------------------------------------------------------------------
@@ -118,7 +120,7 @@ def _as_rows(*tensors: torch.Tensor) -> list[torch.Tensor]:
     return [rows_view(t, t.shape[-1]) for t in tensors]
 
 
-def _launch(kernel, tensors, activation: str) -> None:
+def _launch(kernel, tensors, activation: str, **constexprs) -> None:
     n_rows, n_cols = tensors[0].shape
     if n_rows * n_cols == 0:
         return
@@ -128,7 +130,7 @@ def _launch(kernel, tensors, activation: str) -> None:
     args = [a for t in tensors for a in (t, t.stride(0))]
     kernel[(n_rows * n_col_blocks,)](
         *args, n_cols, n_col_blocks,
-        ACT=_ACT_ID[activation], BLOCK=block, EVICTION=TUNING["eviction"], num_warps=num_warps,
+        ACT=_ACT_ID[activation], BLOCK=block, EVICTION=TUNING["eviction"], num_warps=num_warps, **constexprs,
     )
 
 
@@ -138,9 +140,11 @@ def _forward_launch(g: torch.Tensor, u: torch.Tensor, activation: str) -> torch.
     return h
 
 
-def _backward_launch(dh, g, u, dg, du, activation: str) -> None:
-    """dg/du may be g/u themselves: each element is read before the same thread overwrites it."""
-    _launch(_glu_backward_kernel, _as_rows(dh, g, u, dg, du), activation)
+def _backward_launch(dh, g, u, dg, du, activation: str, h=None) -> None:
+    """dg/du may be g/u themselves, and h may be dh: each element is read before the same thread
+    overwrites it. With ``h`` given, the kernel also writes the forward output ``act(g) * u`` there."""
+    _launch(_glu_backward_kernel, _as_rows(dh, g, u, dg, du, dh if h is None else h), activation,
+            STORE_H=h is not None)
 
 
 # 4. custom ops and autograd -----------------------------------------------------------------------

@@ -18,6 +18,7 @@ from torch import nn
 
 from foak.ops.activations import glu
 from foak.ops.cross_entropy import cross_entropy
+from foak.ops.glu_linear import glu_linear
 from foak.ops.linear_cross_entropy import linear_cross_entropy
 from foak.ops.rms_norm import rms_norm
 from foak.ops.rope import rope
@@ -52,8 +53,16 @@ def _hidden_act(model: nn.Module) -> str:
     return getattr(model.config, "hidden_act", None) or getattr(model.config, "hidden_activation", "")
 
 
+def _plain_linear(module: nn.Module) -> bool:
+    """An nn.Linear whose forward is exactly ``F.linear(x, weight, bias)``: no subclass, no hooks."""
+    return (type(module) is nn.Linear and "forward" not in module.__dict__ and not module._forward_hooks
+            and not module._forward_pre_hooks and not nn.modules.module._global_forward_hooks
+            and not nn.modules.module._global_forward_pre_hooks)
+
+
 def glu_mlp_rule(arch: str, mlp_class: type) -> Rule:
-    """``down_proj(act(gate_proj(x)) * up_proj(x))`` with act and product fused (SwiGLU / GeGLU)."""
+    """``down_proj(act(gate_proj(x)) * up_proj(x))`` with act and product fused (SwiGLU / GeGLU). When
+    down_proj is a plain nn.Linear, the product is not kept for the backward (foak.ops.glu_linear)."""
 
     def skip_reason(model):
         act = _hidden_act(model)
@@ -65,7 +74,11 @@ def glu_mlp_rule(arch: str, mlp_class: type) -> Rule:
         activation = GLU_ACTIVATIONS[_hidden_act(model)]
 
         def forward(x):
-            return module.down_proj(glu(module.gate_proj(x), module.up_proj(x), activation))
+            down = module.down_proj
+            g, u = module.gate_proj(x), module.up_proj(x)
+            if _plain_linear(down):  # the product is recomputed in the backward instead of kept
+                return glu_linear(g, u, down.weight, down.bias, activation)
+            return down(glu(g, u, activation))  # e.g. a PEFT LoRA or quantized layer: its own forward
 
         return forward
 

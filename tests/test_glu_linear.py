@@ -1,0 +1,117 @@
+import pytest
+import torch
+from conftest import assert_case
+
+from foak.ops.glu_linear import glu_linear, glu_linear_reference
+from foak.testing import glu_linear_case, relative_error
+
+DTYPES = [torch.float32, torch.bfloat16]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(
+    ("shape", "out_features", "activation", "bias", "chunked"),
+    [((37, 129), 33, "silu", False, False), ((2, 3, 257), 19, "gelu", True, False),
+     ((5, 67), 21, "gelu_tanh", False, True), ((1, 1000), 7, "silu", True, True)],
+)
+def test_matches_reference(shape, out_features, activation, bias, chunked, dtype):
+    errors = assert_case(glu_linear_case(shape, out_features, activation, bias, chunked), dtype)
+    assert set(errors) == {"out0", "grad_g", "grad_u", "grad_weight"} | ({"grad_bias"} if bias else set())
+
+
+def _mlp_inputs(dtype=torch.float32, tokens=(3, 11), inner=45, outer=17):
+    """g and u as the outputs of two projections (autograd intermediates), as in a gated MLP."""
+    x = torch.randn(*tokens, outer, dtype=dtype, requires_grad=True)
+    wg, wu = (torch.randn(inner, outer, dtype=dtype, requires_grad=True) for _ in range(2))
+    wd = (torch.randn(outer, inner) * inner**-0.5).to(dtype).requires_grad_()
+    return x, wg, wu, wd
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_inside_an_mlp_with_inplace_backward(dtype):
+    x, wg, wu, wd = _mlp_inputs(dtype)
+    leaves = (x, wg, wu, wd)
+    dout = torch.randn(3, 11, 17, dtype=dtype)
+    g, u = x @ wg.t(), x @ wu.t()
+    g_ptr = g.data_ptr()
+    out = glu_linear(g, u, wd)
+    grads = torch.autograd.grad(out, leaves, dout)
+    ref_leaves = [t.detach().float().requires_grad_() for t in leaves]
+    rx, rwg, rwu, rwd = ref_leaves
+    ref_out = glu_linear_reference(rx @ rwg.t(), rx @ rwu.t(), rwd)
+    ref_grads = torch.autograd.grad(ref_out, ref_leaves, dout.float())
+    tol = 1e-5 if dtype == torch.float32 else 1e-2
+    assert relative_error(out, ref_out) < tol
+    for got, ref in zip(grads, ref_grads):
+        assert relative_error(got, ref) < tol
+    assert g.data_ptr() == g_ptr and not torch.equal(g, x @ wg.t())  # dg was written into g's memory
+
+
+def test_frozen_weight_gets_no_gradient_and_costs_no_gemm():
+    x, wg, wu, wd = _mlp_inputs()
+    wd.requires_grad_(False)
+    out = glu_linear(x @ wg.t(), x @ wu.t(), wd)
+    out.sum().backward()
+    assert wd.grad is None and wg.grad is not None and x.grad is not None
+
+
+def test_product_is_not_kept_for_the_backward():
+    # a plain linear(glu(g, u)) saves the [tokens, intermediate] product; glu_linear saves g, u, weight only
+    x, wg, wu, wd = _mlp_inputs(tokens=(2, 7), inner=96)
+    saved = []
+
+    def pack(t):
+        saved.append(t)
+        return t
+
+    g, u = x @ wg.t(), x @ wu.t()
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        glu_linear(g, u, wd)
+    activations = [t for t in saved if t.numel() == 2 * 7 * 96]  # [tokens, intermediate] tensors
+    ptrs = {t.untyped_storage().data_ptr() for t in activations}
+    assert ptrs == {g.untyped_storage().data_ptr(), u.untyped_storage().data_ptr()}
+
+
+def test_autocast_casts_the_weight_like_linear():
+    x, wg, wu, wd = _mlp_inputs()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        g, u = x @ wg.t(), x @ wu.t()
+        out = glu_linear(g, u, wd)
+        ref = torch.nn.functional.linear(torch.nn.functional.silu(g) * u, wd)
+    assert out.dtype == torch.bfloat16
+    assert relative_error(out, ref) < 1e-2
+    out.float().sum().backward()
+    assert wd.grad.dtype == torch.float32 and torch.isfinite(wd.grad).all()
+
+
+def test_bad_input_is_a_clear_error():
+    g, u = torch.randn(4, 9), torch.randn(4, 9)
+    with pytest.raises(ValueError, match=r"weight must be \[out_features, 9\]"):
+        glu_linear(g, u, torch.randn(5, 8))
+    with pytest.raises(ValueError, match="one shape"):
+        glu_linear(g, torch.randn(4, 8), torch.randn(5, 9))
+    with pytest.raises(ValueError, match=r"bias must be \[5\]"):
+        glu_linear(g, u, torch.randn(5, 9), torch.randn(4))
+    with pytest.raises(ValueError, match="activation must be one of"):
+        glu_linear(g, u, torch.randn(5, 9), activation="relu")
+    with pytest.raises(ValueError, match="share one dtype"):
+        glu_linear(g, u, torch.randn(5, 9, dtype=torch.float64).bfloat16())
+
+
+def test_compiles_fullgraph():
+    x, wg, wu, wd = _mlp_inputs()
+    fn = torch.compile(lambda x: glu_linear(x @ wg.t(), x @ wu.t(), wd), backend="aot_eager", fullgraph=True)
+    out = fn(x)
+    out.sum().backward()
+    grads = (x.grad.clone(), wd.grad.clone())
+    x.grad = wd.grad = None
+    glu_linear(x @ wg.t(), x @ wu.t(), wd).sum().backward()
+    assert torch.allclose(out, glu_linear(x @ wg.t(), x @ wu.t(), wd), atol=1e-6)
+    assert torch.allclose(grads[0], x.grad, atol=1e-5) and torch.allclose(grads[1], wd.grad, atol=1e-5)
+
+
+def test_custom_op_passes_opcheck():
+    dh, g, u = torch.randn(5, 33), torch.randn(5, 33), torch.randn(5, 33)
+    from foak.ops.glu_linear import _backward_op
+
+    torch.library.opcheck(_backward_op.custom_op, (dh, g, u, "silu"))
