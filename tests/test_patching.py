@@ -223,9 +223,14 @@ def test_report_counts(arch, loss_rule):
     expected = dict(SPECS[arch][3], **{loss_rule: 1})
     by_switch = {}
     for r in report.results:
+        if r.rule_id == f"{arch}.rms_norm_recompute":  # the rms_norm switch's second rule: the decoder stack
+            assert r.switch == "rms_norm" and r.modules == 1, str(report)
+            continue
         assert r.switch not in by_switch, f"{r.switch} reported twice:\n{report}"
         by_switch[r.switch] = r
     assert set(by_switch) == set(expected), str(report)
+    recompute = [r.modules for r in report.results if r.rule_id == f"{arch}.rms_norm_recompute"]
+    assert recompute == ([1] if expected["rms_norm"] else []), str(report)
     available = {r.switch for r in rules_for(model)}
     for rule, n in expected.items():
         assert _count_modules(model, rule) == n, f"test table disagrees with the model for {rule}"
@@ -550,7 +555,7 @@ def test_patching_again_with_other_switches_is_an_error():
     model = build("llama")
     report = patch(model, fast_rms_layernorm=True)
     assert patch(model, fast_rms_layernorm=True) is report
-    with pytest.raises(ValueError, match=r"already patched with \['llama.rms_norm'\]; call foak.restore"):
+    with pytest.raises(ValueError, match=r"already patched with \['llama.rms_norm', 'llama.rms_norm_recompute'\]; call foak.restore"):
         patch(model, fast_rms_layernorm=True, fast_rope_embeddings=True)
 
 

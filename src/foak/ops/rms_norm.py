@@ -21,6 +21,7 @@ from foak.backend import use_triton
 from foak.ops._checks import check_float_tensor, check_same_device, check_same_dtype, rows_view
 from foak.ops._custom_op import custom_op
 from foak.ops._inplace import can_overwrite, claim
+from foak.ops._recompute import offer
 
 MODES = ("llama", "gemma")
 MAX_HIDDEN = 65536
@@ -370,4 +371,13 @@ def rms_norm(
     inplace = bool(inplace_backward) and residual is None and can_overwrite(x)
     if inplace:
         claim(x)
-    return _RMSNormFunction.apply(x, weight, residual, float(eps), mode, inplace)
+    out = _RMSNormFunction.apply(x, weight, residual, float(eps), mode, inplace)
+    if residual is None:
+        # x, weight (and rstd) are kept for this op's backward anyway: inside a
+        # foak.ops._recompute.recomputing_outputs() scope, consumers that save y save this recipe instead
+        offer(out, functools.partial(_recompute_output, eps=float(eps), mode=mode), x, weight)
+    return out
+
+
+def _recompute_output(x, weight, eps, mode):
+    return _forward_launch(x, weight, None, eps, mode)[0]

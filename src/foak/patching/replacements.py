@@ -19,6 +19,7 @@ from torch import nn
 from foak.ops.activations import glu
 from foak.ops.cross_entropy import cross_entropy
 from foak.ops.glu_linear import glu_linear
+from foak.ops._recompute import recomputing_outputs
 from foak.ops.linear_cross_entropy import linear_cross_entropy
 from foak.ops.rms_norm import rms_norm
 from foak.ops.rope import rope
@@ -41,6 +42,25 @@ def rms_norm_rule(arch: str, norm_class: type, mode: str = "llama") -> Rule:
         return forward
 
     return Rule(f"{arch}.rms_norm", "rms_norm", Trigger(norm_class), patch)
+
+
+def rms_norm_recompute_rule(arch: str, stack_class: type) -> Rule:
+    """Within the decoder stack's forward, the projections that read an RMSNorm's output save it as a
+    recipe (recomputed in the backward from what the norm keeps anyway) rather than as a second copy of
+    every layer's hidden states (foak.ops._recompute). Scoped at the stack, outside every layer, so that
+    gradient checkpointing's own saved-tensor hooks take precedence inside checkpointed layers."""
+
+    def patch(module, model, state):
+        original_forward = module.forward
+
+        @functools.wraps(original_forward)
+        def forward(*args, **kwargs):
+            with recomputing_outputs():
+                return original_forward(*args, **kwargs)
+
+        return forward
+
+    return Rule(f"{arch}.rms_norm_recompute", "rms_norm", Trigger(stack_class), patch)
 
 
 # ---- gated MLP ---------------------------------------------------------------------------------------
@@ -279,9 +299,10 @@ def causal_lm_rules(arch: str, causal_lm_class: type) -> list[Rule]:
 
 
 def decoder_rules(arch: str, modeling, prefix: str, gated_mlp: bool = True) -> list[Rule]:
-    """The rules of a Llama-like decoder whose modeling module defines <prefix>RMSNorm, <prefix>Attention,
-    <prefix>MLP (when gated_mlp) and <prefix>ForCausalLM."""
+    """The rules of a Llama-like decoder whose modeling module defines <prefix>RMSNorm, <prefix>Model,
+    <prefix>Attention, <prefix>MLP (when gated_mlp) and <prefix>ForCausalLM."""
     rules = [rms_norm_rule(arch, getattr(modeling, f"{prefix}RMSNorm")),
+             rms_norm_recompute_rule(arch, getattr(modeling, f"{prefix}Model")),
              rope_rule(arch, getattr(modeling, f"{prefix}Attention"))]
     if gated_mlp:
         rules.append(glu_mlp_rule(arch, getattr(modeling, f"{prefix}MLP")))

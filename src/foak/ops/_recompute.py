@@ -1,0 +1,120 @@
+"""Saving a cheap-to-recompute op output as its recipe instead of its memory.
+
+An RMSNorm output ``y`` is saved for the backward by the projections that read it (q/k/v, gate/up), yet
+it is one elementwise pass away from tensors the norm's own backward keeps anyway (x, weight, rstd).
+Ops offer such outputs with :func:`offer`; while :func:`recomputing_outputs` is active (foak's patch
+rules enter it around a decoder stack's forward), autograd's saved-tensor hook stores a small handle for
+any saved tensor that lives in an offered output's memory. In the backward the first node that needs it
+recomputes ``y`` (bit-identical: the same kernel on the same inputs) and the other nodes that saved it
+share that copy, which is dropped after the last of them.
+
+Nesting: activation checkpointing installs its own saved-tensor hooks, which take precedence inside a
+checkpointed region, so the two compose. Safety: the version counters of the recipe's inputs are checked
+when recomputing, and an offered output modified in place before it was saved is saved normally; an
+in-place change after it was saved is what autograd itself would refuse, and is detected while the
+output is still alive when the scope exits.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+import weakref
+from collections.abc import Callable
+
+import torch
+
+_state = threading.local()
+
+
+def _active() -> dict | None:
+    return getattr(_state, "offers", None)
+
+
+class _Recipe:
+    __slots__ = ("cache", "inputs", "output", "pending", "recompute", "version", "versions")
+
+    def __init__(self, output, recompute, inputs):
+        self.output = weakref.ref(output)
+        self.version = output._version
+        self.recompute = recompute
+        self.inputs = inputs
+        self.versions = [t._version for t in inputs]
+        self.cache = None
+        self.pending = 0  # saved handles not unpacked yet
+
+    def value(self) -> torch.Tensor:
+        if self.cache is None:
+            if [t._version for t in self.inputs] != self.versions:
+                raise RuntimeError(
+                    "foak: an input of a recomputed activation (an RMSNorm's x or weight) was modified in place "
+                    "between the forward and the backward; the output cannot be recomputed. Disable foak's "
+                    "rms_norm switch for this model or avoid the in-place update.")
+            with torch.no_grad():
+                self.cache = self.recompute(*self.inputs)
+        return self.cache
+
+
+class _Saved:
+    __slots__ = ("recipe", "geometry")
+
+    def __init__(self, recipe, t):
+        self.recipe = recipe
+        self.geometry = (t.shape, t.stride(), t.storage_offset())
+
+
+def offer(output: torch.Tensor, recompute: Callable[..., torch.Tensor], *inputs: torch.Tensor) -> None:
+    """Let autograd save ``output`` as ``recompute(*inputs)`` (which must return the same values in a
+    fresh tensor of the same dtype and layout) while a :func:`recomputing_outputs` scope is active."""
+    offers = _active()
+    if offers is None or torch.compiler.is_compiling() or not torch.is_grad_enabled():
+        return
+    if output.numel() == 0 or not output.is_contiguous():
+        return
+    ptr = output.untyped_storage().data_ptr()
+    offers[ptr] = _Recipe(output, recompute, inputs)
+
+
+def _pack(t: torch.Tensor):
+    offers = _active()
+    recipe = offers.get(t.untyped_storage().data_ptr()) if offers and t.numel() else None
+    if recipe is None:
+        return t
+    output = recipe.output()
+    if (output is None or output.untyped_storage().data_ptr() != t.untyped_storage().data_ptr()
+            or output.dtype != t.dtype or output._version != recipe.version):
+        return t  # a stale entry, or modified in place since it was computed: save it normally
+    recipe.pending += 1
+    return _Saved(recipe, t)
+
+
+def _unpack(saved):
+    if not isinstance(saved, _Saved):
+        return saved
+    recipe = saved.recipe
+    value = recipe.value()
+    recipe.pending -= 1
+    if recipe.pending <= 0:
+        recipe.cache = None  # the last node that saved it has it now
+    shape, stride, offset = saved.geometry
+    return value.as_strided(shape, stride, offset)
+
+
+@contextlib.contextmanager
+def recomputing_outputs():
+    """Within this scope, offered outputs are saved for the backward as recipes (see module doc)."""
+    if _active() is not None or torch.compiler.is_compiling():
+        yield  # nested scope (or torch.compile, which plans recomputation itself): nothing to add
+        return
+    _state.offers = offers = {}
+    try:
+        with torch.autograd.graph.saved_tensors_hooks(_pack, _unpack):
+            yield
+        for recipe in offers.values():
+            output = recipe.output()
+            if output is not None and recipe.pending and output._version != recipe.version:
+                raise RuntimeError(
+                    "foak: an RMSNorm output saved for the backward was modified in place; its recomputed "
+                    "value would not match. Disable foak's rms_norm switch for this model.")
+    finally:
+        _state.offers = None
