@@ -58,8 +58,49 @@ def packed_inputs(batch: int, seq: int, vocab: int, gen, device):
     return {"input_ids": ids, "labels": labels, "position_ids": positions.to(device), "use_cache": False}
 
 
+# kernel-name patterns -> category of a step's GPU time (first match wins)
+CATEGORIES = [
+    ("attention", ("flash", "fmha", "attention", "cudnn")),
+    ("gemm", ("gemm", "nvjet", "cutlass", "xmma", "cublas", "splitk")),
+    ("optimizer", ("adam", "multi_tensor")),
+    ("rms_norm", ("rms_norm", "rmsnorm")),
+    ("rope", ("rope", "rotary")),
+    ("glu", ("glu", "swiglu", "geglu", "silu")),
+    ("loss", ("cross_entropy", "lce", "logsumexp")),
+    ("copy/cast", ("copy", "cast", "convert", "to_copy")),
+    ("reduce", ("reduce",)),
+    ("elementwise", ("elementwise",)),
+]
+
+
+def profile_steps(step, batches, n_steps: int) -> dict:
+    """GPU kernel time per step by category and the top kernels, from torch.profiler over n_steps."""
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for inputs in batches[:n_steps]:
+            step(inputs)
+        torch.cuda.synchronize()
+    wall_ms = (time.perf_counter() - start) * 1e3 / n_steps
+    kernels = {}
+    for event in prof.key_averages():
+        if event.device_type == torch.autograd.DeviceType.CUDA and event.self_device_time_total > 0:
+            kernels[event.key] = kernels.get(event.key, 0.0) + event.self_device_time_total / 1e3 / n_steps
+    by_category = {}
+    for name, ms in kernels.items():
+        low = name.lower()
+        category = next((c for c, keys in CATEGORIES if any(k in low for k in keys)), "other")
+        by_category[category] = by_category.get(category, 0.0) + ms
+    top = sorted(kernels.items(), key=lambda kv: -kv[1])[:30]
+    return {"wall_ms_per_step_profiled": wall_ms, "kernel_ms_per_step": sum(kernels.values()),
+            "by_category_ms": dict(sorted(by_category.items(), key=lambda kv: -kv[1])),
+            "top_kernels_ms": [[name[:140], ms] for name, ms in top]}
+
+
 def run_one(model_name: str, variant: str, checkpointing: bool = False, packed: bool = False,
-            device: str = "cuda") -> dict:
+            device: str = "cuda", profile: bool = False) -> dict:
     import transformers
 
     class_name, dims, batch, seq = MODELS[model_name]
@@ -114,11 +155,18 @@ def run_one(model_name: str, variant: str, checkpointing: bool = False, packed: 
         losses.append(step(inputs))
     sync()
     seconds = time.perf_counter() - start
+    peak_gib = torch.cuda.max_memory_allocated() / 2**30 if device == "cuda" else float("nan")
+    profiled = None
+    if profile and device == "cuda":
+        try:
+            profiled = profile_steps(step, batches[WARMUP:], 2)
+        except Exception as err:  # the timing above stands; say why the profile is missing
+            profiled = {"error": f"{type(err).__name__}: {err}"}
     return {"model": model_name, "variant": variant, "checkpointing": checkpointing, "packed": packed,
             "batch": batch, "seq": seq, "tokens_per_s": TIMED * batch * seq / seconds,
             "step_ms": seconds / TIMED * 1e3,
-            "peak_gib": torch.cuda.max_memory_allocated() / 2**30 if device == "cuda" else float("nan"),
-            "losses": [float(x) for x in losses], "patch_report": report}
+            "peak_gib": peak_gib, "losses": [float(x) for x in losses], "patch_report": report,
+            "profile": profiled}
 
 
 def main() -> int:
@@ -129,13 +177,17 @@ def main() -> int:
     parser.add_argument("--checkpointing", action="store_true", help="gradient checkpointing (non-reentrant)")
     parser.add_argument("--packed", action="store_true", help="rows of packed variable-length sequences")
     parser.add_argument("--device", default="cuda", help="cpu: a smoke test of the code paths (use --models tiny)")
+    parser.add_argument("--tag", default="", help="suffix of the result file name")
+    parser.add_argument("--profile", action="store_true", help="also profile 2 steps: GPU time by kernel category")
     parser.add_argument("--one", nargs=2, metavar=("MODEL", "VARIANT"))
     args = parser.parse_args()
     if args.one:
-        result = run_one(*args.one, checkpointing=args.checkpointing, packed=args.packed, device=args.device)
+        result = run_one(*args.one, checkpointing=args.checkpointing, packed=args.packed, device=args.device,
+                         profile=args.profile)
         print("RESULT " + json.dumps(result), flush=True)
         return 0
-    flags = [f for f, on in (("--checkpointing", args.checkpointing), ("--packed", args.packed)) if on]
+    flags = [f for f, on in (("--checkpointing", args.checkpointing), ("--packed", args.packed),
+                             ("--profile", args.profile)) if on]
     rows = []
     for model_name in args.models:
         for variant in args.variants:
@@ -147,7 +199,7 @@ def main() -> int:
                 rows.append({"model": model_name, "variant": variant, "error": " | ".join(tail)})
             else:
                 rows.append(json.loads(line[len("RESULT "):]))
-            print(json.dumps({k: v for k, v in rows[-1].items() if k != "patch_report"}), flush=True)
+            print(json.dumps({k: v for k, v in rows[-1].items() if k not in ("patch_report", "profile")}), flush=True)
     import transformers
     import triton
 
@@ -155,7 +207,9 @@ def main() -> int:
               "gpu": torch.cuda.get_device_name() if args.device == "cuda" else "cpu (smoke test)", "torch": torch.__version__, "triton": triton.__version__,
               "transformers": transformers.__version__, "warmup_steps": WARMUP, "timed_steps": TIMED, "rows": rows}
     Path(args.out).mkdir(parents=True, exist_ok=True)
-    suffix = "".join(f"_{f.lstrip('-')}" for f in flags)
+    suffix = "".join(f"_{f.lstrip('-')}" for f in flags if f != "--profile")
+    if args.tag:
+        suffix += f"_{args.tag}"
     (Path(args.out) / f"train_step_h200{suffix}.json").write_text(json.dumps(result, indent=1))
     print("| model | variant | tokens/s | peak GiB | step ms | first losses |")
     print("|---|---|---|---|---|---|")
@@ -165,6 +219,14 @@ def main() -> int:
         else:
             print(f"| {r['model']} | {r['variant']} | {r['tokens_per_s']:.0f} | {r['peak_gib']:.1f} | "
                   f"{r['step_ms']:.0f} | {', '.join(f'{x:.4f}' for x in r['losses'][:3])} |")
+    for r in rows:
+        if r.get("profile") and "error" in r["profile"]:
+            print(f"profile {r['model']} {r['variant']}: {r['profile']['error']}")
+        elif r.get("profile"):
+            p = r["profile"]
+            parts = ", ".join(f"{c} {ms:.1f}" for c, ms in p["by_category_ms"].items())
+            print(f"profile {r['model']} {r['variant']}: step {p['wall_ms_per_step_profiled']:.1f} ms, "
+                  f"kernels {p['kernel_ms_per_step']:.1f} ms: {parts}")
     return 0
 
 
