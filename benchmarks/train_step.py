@@ -177,17 +177,25 @@ def main() -> int:
     parser.add_argument("--checkpointing", action="store_true", help="gradient checkpointing (non-reentrant)")
     parser.add_argument("--packed", action="store_true", help="rows of packed variable-length sequences")
     parser.add_argument("--device", default="cuda", help="cpu: a smoke test of the code paths (use --models tiny)")
+    parser.add_argument("--lce-chunk-mib", type=int, default=0,
+                        help="foak: linear_cross_entropy's chunk budget (default: its TUNING value)")
     parser.add_argument("--tag", default="", help="suffix of the result file name")
     parser.add_argument("--profile", action="store_true", help="also profile 2 steps: GPU time by kernel category")
     parser.add_argument("--one", nargs=2, metavar=("MODEL", "VARIANT"))
     args = parser.parse_args()
     if args.one:
+        if args.lce_chunk_mib:
+            from foak.ops import linear_cross_entropy as lce
+
+            lce.TUNING["chunk_bytes"] = args.lce_chunk_mib * 2**20
         result = run_one(*args.one, checkpointing=args.checkpointing, packed=args.packed, device=args.device,
                          profile=args.profile)
         print("RESULT " + json.dumps(result), flush=True)
         return 0
     flags = [f for f, on in (("--checkpointing", args.checkpointing), ("--packed", args.packed),
                              ("--profile", args.profile)) if on]
+    if args.lce_chunk_mib:
+        flags += ["--lce-chunk-mib", str(args.lce_chunk_mib)]
     rows = []
     for model_name in args.models:
         for variant in args.variants:
@@ -203,11 +211,11 @@ def main() -> int:
     import transformers
     import triton
 
-    result = {"date_utc": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+    result = {"lce_chunk_mib": args.lce_chunk_mib or "default", "date_utc": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
               "gpu": torch.cuda.get_device_name() if args.device == "cuda" else "cpu (smoke test)", "torch": torch.__version__, "triton": triton.__version__,
               "transformers": transformers.__version__, "warmup_steps": WARMUP, "timed_steps": TIMED, "rows": rows}
     Path(args.out).mkdir(parents=True, exist_ok=True)
-    suffix = "".join(f"_{f.lstrip('-')}" for f in flags if f != "--profile")
+    suffix = "".join(f"_{f.lstrip('-')}" for f in flags if f.startswith("--") and f not in ("--profile", "--lce-chunk-mib"))
     if args.tag:
         suffix += f"_{args.tag}"
     (Path(args.out) / f"train_step_h200{suffix}.json").write_text(json.dumps(result, indent=1))

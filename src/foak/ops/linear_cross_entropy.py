@@ -68,7 +68,8 @@ def _chunked_pass(hidden, weight, bias, target, valid_rows, options, dloss, lse=
     if forward:
         loss, lse, z_loss = torch.empty(n_valid, **f32), torch.empty(n_valid, **f32), torch.empty(n_valid, **f32)
     dh = torch.zeros(hidden.shape, dtype=hidden.dtype, device=hidden.device) if want_dh else None
-    dw = torch.zeros_like(weight) if want_dw else None
+    # the first chunk's GEMM writes dw (no zero fill, no read of zeros); later chunks accumulate into it
+    dw = (torch.empty_like(weight) if n_valid else torch.zeros_like(weight)) if want_dw else None
     db = torch.zeros(weight.shape[0], **f32) if want_db else None
     write_grad = want_dh or want_dw or want_db
     step = min(_rows_per_chunk(weight.shape[0], hidden.element_size()), max(n_valid, 1))
@@ -93,7 +94,10 @@ def _chunked_pass(hidden, weight, bias, target, valid_rows, options, dloss, lse=
         if want_dh:
             dh.index_copy_(0, rows, torch.mm(logits, weight, out=dh_buf[: end - start]))
         if want_dw:
-            dw.addmm_(logits.t(), h)
+            if start == 0:
+                torch.mm(logits.t(), h, out=dw)
+            else:
+                dw.addmm_(logits.t(), h)
         if want_db:
             db += logits.sum(0, dtype=torch.float32)
     stats = (loss, lse, z_loss) if forward else None
