@@ -303,6 +303,33 @@ def test_more_rows_than_one_chunk(reduction, dtype, monkeypatch):
         None if reduction == "none" else 3.5))
 
 
+def test_chunk_bytes_sets_the_chunk_and_not_the_result(monkeypatch):
+    hidden, weight, b = make_inputs(37, 33, 1000, torch.float32)
+    target = make_target(37, 1000, ignored=(2, None, 5))
+    seen = []
+    real = lce_module.ce_launch
+    monkeypatch.setattr(lce_module, "ce_launch", lambda logits, *a, **k: (seen.append(logits.shape[0]), real(logits, *a, **k))[1])
+
+    def run(**kw):
+        leaves = [t.clone().requires_grad_() for t in (hidden, weight, b)]
+        loss = linear_cross_entropy(*leaves[:2], target, leaves[2], **kw)
+        loss.backward()
+        return [loss] + [t.grad for t in leaves]
+
+    n_valid = int((target != -100).sum())
+    assert 16 < n_valid < 32
+    default = run()
+    assert seen == [n_valid]  # one chunk under the default budget
+    seen.clear()
+    small = run(chunk_bytes=16 * 1000 * 4)  # 16 fp32 rows of 1000 logits
+    assert seen == [16, n_valid - 16]
+    for a, bb in zip(default, small):
+        assert relative_error(a, bb) <= 1e-6
+    for bad in (0, -5, 1.5, "1MiB"):
+        with pytest.raises(ValueError, match="chunk_bytes must be a positive int"):
+            linear_cross_entropy(hidden, weight, target, chunk_bytes=bad)
+
+
 # ---- tied weights, layouts ------------------------------------------------------------------------
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("reduction", REDUCTIONS)

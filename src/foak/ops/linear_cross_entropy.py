@@ -50,10 +50,10 @@ def linear_cross_entropy_reference(hidden, weight, target, bias=None, shift=Fals
 TUNING = {"chunk_bytes": 112 * 2**20, "chunk_rows": None}
 
 
-def _rows_per_chunk(n_classes: int, element_size: int) -> int:
+def _rows_per_chunk(n_classes: int, element_size: int, chunk_bytes: int | None = None) -> int:
     if TUNING["chunk_rows"]:
         return int(TUNING["chunk_rows"])
-    return max(16, TUNING["chunk_bytes"] // (n_classes * element_size) // 16 * 16)
+    return max(16, (chunk_bytes or TUNING["chunk_bytes"]) // (n_classes * element_size) // 16 * 16)
 
 
 def _chunked_pass(hidden, weight, bias, target, valid_rows, options, dloss, lse=None, want=(True, True, True)):
@@ -62,6 +62,8 @@ def _chunked_pass(hidden, weight, bias, target, valid_rows, options, dloss, lse=
     gradients of hidden, weight and bias. ``lse`` given: a reduction="none" backward (gradients only).
     Returns (loss, lse, z_loss) per valid row (None when ``lse`` was given) and (dh, dw, db)."""
     want_dh, want_dw, want_db = want
+    options = dict(options)
+    chunk_bytes = options.pop("chunk_bytes", None)
     n_valid = valid_rows.numel()
     forward = lse is None
     f32 = dict(dtype=torch.float32, device=hidden.device)
@@ -72,7 +74,7 @@ def _chunked_pass(hidden, weight, bias, target, valid_rows, options, dloss, lse=
     dw = (torch.empty_like(weight) if n_valid else torch.zeros_like(weight)) if want_dw else None
     db = torch.zeros(weight.shape[0], **f32) if want_db else None
     write_grad = want_dh or want_dw or want_db
-    step = min(_rows_per_chunk(weight.shape[0], hidden.element_size()), max(n_valid, 1))
+    step = min(_rows_per_chunk(weight.shape[0], hidden.element_size(), chunk_bytes), max(n_valid, 1))
     # one set of chunk buffers, reused: a new chunk never coexists with the previous one
     logits_buf = hidden.new_empty((step, weight.shape[0]))
     h_buf = hidden.new_empty((step, hidden.shape[1]))
@@ -163,7 +165,7 @@ def _backward_op(
     return tuple(g if g is not None else empty for g in grads)
 
 
-_OPTION_NAMES = ("ignore_index", "label_smoothing", "lse_square_scale", "logits_scaling", "softcap")
+_OPTION_NAMES = ("ignore_index", "label_smoothing", "lse_square_scale", "logits_scaling", "softcap", "chunk_bytes")
 
 
 def _encode(options: dict) -> str:
@@ -231,6 +233,7 @@ def linear_cross_entropy(
     logits_scaling: float = 1.0,
     num_items_in_batch=None,
     return_z_loss: bool = False,
+    chunk_bytes: int | None = None,
 ):
     """``cross_entropy(hidden @ weight.T + bias, target, ...)`` without the [N, V] logits.
 
@@ -238,6 +241,9 @@ def linear_cross_entropy(
     labels ``[B, S]``); weight ``[V, H]`` (may be tied to an embedding); bias ``[V]`` or None. Gradients:
     hidden, weight (fp32 accumulation inside each chunk's GEMM, across chunks in the weight's dtype) and bias
     (fp32). With reduction="none" the result has target's shape.
+
+    ``chunk_bytes`` bounds the [rows, V] logits chunk (default ``TUNING["chunk_bytes"]``, 112 MiB): larger
+    chunks mean fewer passes over the weight gradient (faster) for more transient memory.
     """
     op = "linear_cross_entropy"
     check_float_tensor(op, "hidden", hidden)
@@ -269,6 +275,8 @@ def linear_cross_entropy(
         )
     _check_targets(op, target, n_rows, weight.shape[0], ignore_index, hidden.device)
     check_loss_options(op, reduction, label_smoothing, lse_square_scale, softcap, logits_scaling, num_items_in_batch)
+    if chunk_bytes is not None and (not isinstance(chunk_bytes, int) or chunk_bytes <= 0):
+        raise ValueError(f"{op}: chunk_bytes must be a positive int (bytes of one logits chunk), got {chunk_bytes!r}")
     options = loss_options(ignore_index, label_smoothing, lse_square_scale, logits_scaling, softcap)
     if not use_triton(hidden.device):
         return linear_cross_entropy_reference(hidden, weight, target, bias, reduction=reduction,
@@ -276,7 +284,7 @@ def linear_cross_entropy(
                                               **options)
     hidden2 = hidden.reshape(-1, hidden.shape[-1])
     target1 = target.reshape(-1)
-    key = _encode(options)
+    key = _encode({**options, "chunk_bytes": chunk_bytes})
     if reduction == "none":
         scale = None
     else:
