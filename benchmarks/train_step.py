@@ -3,7 +3,8 @@ its own process so that peak memory is clean. Models are built from configs with
 (ANCHORS.md dims); input = random token ids, labels = inputs; bf16 weights, fused AdamW, sdpa.
 
     python3 benchmarks/train_step.py --out DIR [--models llama1b ...] [--variants hf foak liger]
-                                     [--checkpointing] [--packed]
+                                     [--checkpointing] [--packed] [--profile] [--lce-chunk-mib N] [--tag T]
+    -> DIR/train_step_h200_<models>[_checkpointing][_packed][_T].json
     python3 benchmarks/train_step.py --one llama1b foak      # a single variant (what the driver runs)
     python3 benchmarks/train_step.py --models tiny --variants hf foak --device cpu --out /tmp/x  # smoke
 """
@@ -215,7 +216,8 @@ def main() -> int:
               "gpu": torch.cuda.get_device_name() if args.device == "cuda" else "cpu (smoke test)", "torch": torch.__version__, "triton": triton.__version__,
               "transformers": transformers.__version__, "warmup_steps": WARMUP, "timed_steps": TIMED, "rows": rows}
     Path(args.out).mkdir(parents=True, exist_ok=True)
-    suffix = "".join(f"_{f.lstrip('-')}" for f in flags if f.startswith("--") and f not in ("--profile", "--lce-chunk-mib"))
+    suffix = "_" + "_".join(args.models)  # one file per set of models: runs do not overwrite each other
+    suffix += "".join(f"_{f.lstrip('-')}" for f in flags if f.startswith("--") and f not in ("--profile", "--lce-chunk-mib"))
     if args.tag:
         suffix += f"_{args.tag}"
     (Path(args.out) / f"train_step_h200{suffix}.json").write_text(json.dumps(result, indent=1))
