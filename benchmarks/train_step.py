@@ -87,7 +87,9 @@ def profile_steps(step, batches, n_steps: int) -> dict:
     wall_ms = (time.perf_counter() - start) * 1e3 / n_steps
     kernels = {}
     for event in prof.key_averages():
-        if event.device_type == torch.autograd.DeviceType.CUDA and event.self_device_time_total > 0:
+        # "Optimizer.step#AdamW.step"-style ranges are annotations, not kernels: they would count twice
+        if (event.device_type == torch.autograd.DeviceType.CUDA and event.self_device_time_total > 0
+                and "#" not in event.key):
             kernels[event.key] = kernels.get(event.key, 0.0) + event.self_device_time_total / 1e3 / n_steps
     by_category = {}
     for name, ms in kernels.items():
@@ -212,7 +214,13 @@ def main() -> int:
     import transformers
     import triton
 
-    result = {"lce_chunk_mib": args.lce_chunk_mib or "default", "date_utc": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+    try:
+        from importlib.metadata import version
+
+        liger_version = version("liger-kernel")
+    except Exception:  # not installed: no liger rows either
+        liger_version = None
+    result = {"liger_kernel": liger_version, "lce_chunk_mib": args.lce_chunk_mib or "default", "date_utc": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
               "gpu": torch.cuda.get_device_name() if args.device == "cuda" else "cpu (smoke test)", "torch": torch.__version__, "triton": triton.__version__,
               "transformers": transformers.__version__, "warmup_steps": WARMUP, "timed_steps": TIMED, "rows": rows}
     Path(args.out).mkdir(parents=True, exist_ok=True)

@@ -3,6 +3,7 @@
 from foak.backend import get_backend, set_backend
 from foak.ops import geglu, rms_norm, rope, swiglu
 from foak.ops.cross_entropy import cross_entropy
+from foak.ops.glu_linear import glu_linear
 from foak.ops.linear_cross_entropy import linear_cross_entropy
 from foak.patching import patch, restore
 
@@ -12,6 +13,7 @@ __all__ = [
     "cross_entropy",
     "geglu",
     "get_backend",
+    "glu_linear",
     "linear_cross_entropy",
     "patch",
     "restore",

@@ -5,6 +5,7 @@ The losses are imported from their modules (foak.ops.cross_entropy, foak.ops.lin
 not re-exported here, so those module names keep pointing at the modules."""
 
 from foak.ops.activations import geglu, geglu_reference, glu, glu_reference, swiglu, swiglu_reference
+from foak.ops.glu_linear import glu_linear, glu_linear_reference
 from foak.ops.rms_norm import rms_norm, rms_norm_reference
 from foak.ops.rope import rope, rope_reference
 
@@ -12,6 +13,8 @@ __all__ = [
     "geglu",
     "geglu_reference",
     "glu",
+    "glu_linear",
+    "glu_linear_reference",
     "glu_reference",
     "rms_norm",
     "rms_norm_reference",

@@ -195,7 +195,7 @@ def rope_rule(arch: str, attention_class: type, function_name: str = "apply_rota
 _HIDDEN_PASSTHROUGH = contextvars.ContextVar("foak_lm_head_passthrough", default=False)
 # The loss runs at the end of the forward, while every saved activation is alive, so its transient chunk
 # adds to the step's peak. 512 MiB chunks (vs the op's 112 MiB default) measured +2.4% tokens/s on the
-# Llama-1B-dims step and +3.5% on Llama-8B-dims for +0.3-0.4 GiB peak (benchmarks/results/train_step_h200*).
+# Llama-1B-dims step and +3.5% on Llama-8B-dims for +0.3-0.4 GiB peak (benchmarks/results/train_step_h200_explore.json).
 FUSED_LOSS_CHUNK_BYTES = 512 * 2**20
 
 
