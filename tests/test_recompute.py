@@ -123,3 +123,28 @@ def test_a_patched_llama_recomputes_its_norm_outputs(recomputes, checkpointing):
         assert recomputes == {"recomputed": 0, "handles": 0}
     else:  # per layer: the input norm's output saved by q, k, v; the post-attention norm's by gate, up
         assert recomputes == {"recomputed": 2 * layers, "handles": 5 * layers}
+
+
+@pytest.mark.parametrize("what", ["whole model", "each layer"])
+def test_a_compiled_patched_llama_matches_the_unpatched_one(what):
+    import foak
+    from foak.models.tiny import tiny_model
+    from foak.testing import relative_error
+
+    model, ref = tiny_model("llama"), tiny_model("llama")
+    model.train(), ref.train()
+    foak.patch(model, fast_rms_layernorm=True, fast_swiglu=True)
+    if what == "whole model":
+        run = torch.compile(model, backend="aot_eager")
+    else:
+        for layer in model.model.layers:
+            layer.compile(backend="aot_eager")  # compiled regions inside the (eager) recompute scope
+        run = model
+    ids = torch.randint(0, model.config.vocab_size, (2, 9))
+    loss = run(input_ids=ids, labels=ids).loss
+    loss.backward()
+    ref_loss = ref(input_ids=ids, labels=ids).loss
+    ref_loss.backward()
+    assert relative_error(loss, ref_loss) < 1e-6
+    for (name, p), r in zip(model.named_parameters(), ref.parameters()):
+        assert relative_error(p.grad, r.grad) < 1e-5, name
