@@ -193,19 +193,25 @@ class _GLUFunction(torch.autograd.Function):
 
 
 # 5. public functions ------------------------------------------------------------------------------
-def glu(g: torch.Tensor, u: torch.Tensor, activation: str = "silu", inplace_backward: bool = True) -> torch.Tensor:
-    """``act(g) * u`` for ``activation`` in ("silu", "gelu", "gelu_tanh"); g and u share shape and dtype."""
-    op = "glu"
+def check_glu_inputs(op: str, g, u, activation: str) -> None:
+    """The activation name, and g and u as float tensors of one shape (shared with glu_linear)."""
     if activation not in ACTIVATIONS:
         raise ValueError(f"{op}: activation must be one of {ACTIVATIONS}, got {activation!r}")
     check_float_tensor(op, "g", g)
     check_float_tensor(op, "u", u)
-    check_same_device(op, g=g, u=u)
-    check_same_dtype(op, g=g, u=u)
     if g.shape != u.shape:
-        raise ValueError(f"{op}: g and u must have the same shape; got {tuple(g.shape)} and {tuple(u.shape)}")
+        raise ValueError(f"{op}: g and u must have the same shape (one shape for both); got {tuple(g.shape)} "
+                         f"and {tuple(u.shape)}")
     if g.dim() < 1:
         raise ValueError(f"{op}: g and u must have at least one dimension, got scalars")
+
+
+def glu(g: torch.Tensor, u: torch.Tensor, activation: str = "silu", inplace_backward: bool = True) -> torch.Tensor:
+    """``act(g) * u`` for ``activation`` in ("silu", "gelu", "gelu_tanh"); g and u share shape and dtype."""
+    op = "glu"
+    check_glu_inputs(op, g, u, activation)
+    check_same_device(op, g=g, u=u)
+    check_same_dtype(op, g=g, u=u)
     if not use_triton(g.device):
         return glu_reference(g, u, activation)
     inplace = bool(inplace_backward) and can_overwrite(g, u)

@@ -17,7 +17,7 @@ from foak.backend import use_triton
 from foak.ops._checks import check_float_tensor, check_same_device, check_same_dtype
 from foak.ops._custom_op import custom_op
 from foak.ops._inplace import can_overwrite, claim
-from foak.ops.activations import ACTIVATIONS, _backward_launch, _glu_forward_op, glu_reference
+from foak.ops.activations import _backward_launch, _glu_forward_op, check_glu_inputs, glu_reference
 
 
 # 1. reference -------------------------------------------------------------------------------------
@@ -72,16 +72,11 @@ def glu_linear(g: torch.Tensor, u: torch.Tensor, weight: torch.Tensor, bias: tor
 
     Under autocast the weight (and bias) are cast to the autocast dtype first, as ``nn.Linear`` would."""
     op = "glu_linear"
-    if activation not in ACTIVATIONS:
-        raise ValueError(f"{op}: activation must be one of {ACTIVATIONS}, got {activation!r}")
-    for name, t in (("g", g), ("u", u), ("weight", weight)):
-        check_float_tensor(op, name, t)
+    check_glu_inputs(op, g, u, activation)
+    check_float_tensor(op, "weight", weight)
     if bias is not None:
         check_float_tensor(op, "bias", bias)
     check_same_device(op, g=g, u=u, weight=weight, bias=bias)
-    if g.shape != u.shape or g.dim() < 1:
-        raise ValueError(f"{op}: g and u must have one shape of at least one dimension; got "
-                         f"{tuple(g.shape)} and {tuple(u.shape)}")
     if weight.dim() != 2 or weight.shape[1] != g.shape[-1]:
         raise ValueError(f"{op}: weight must be [out_features, {g.shape[-1]}] for g of shape {tuple(g.shape)}; "
                          f"got {tuple(weight.shape)}")
