@@ -9,7 +9,11 @@ recomputes ``y`` (bit-identical: the same kernel on the same inputs) and the oth
 share that copy, which is dropped after the last of them.
 
 Nesting: activation checkpointing installs its own saved-tensor hooks, which take precedence inside a
-checkpointed region, so the two compose. Safety: the version counters of the recipe's inputs are checked
+checkpointed region, so the two compose. Saved-tensor hooks that are already active when the scope is
+entered (``torch.autograd.graph.save_on_cpu``, TRL's activation offloading, a checkpoint around the whole
+model) would be hidden by ours, since only the innermost hook sees a saved tensor: then the scope steps
+aside and installs nothing, so those hooks see every tensor (``recomputing_outputs().stepped_aside``
+says why). Under torch.compile the scope does nothing (the compiler plans recomputation itself). Safety: the version counters of the recipe's inputs are checked
 when recomputing, and an offered output modified in place before it was saved is saved normally; an
 in-place change after it was saved is what autograd itself would refuse, and is detected while the
 output is still alive when the scope exits.
@@ -17,7 +21,6 @@ output is still alive when the scope exits.
 
 from __future__ import annotations
 
-import contextlib
 import threading
 import weakref
 from collections.abc import Callable
@@ -66,8 +69,10 @@ class _Saved:
 def offer(output: torch.Tensor, recompute: Callable[..., torch.Tensor], *inputs: torch.Tensor) -> None:
     """Let autograd save ``output`` as ``recompute(*inputs)`` (which must return the same values in a
     fresh tensor of the same dtype and layout) while a :func:`recomputing_outputs` scope is active."""
+    if torch.compiler.is_compiling():  # first: nothing else is read while dynamo traces
+        return
     offers = _active()
-    if offers is None or torch.compiler.is_compiling() or not torch.is_grad_enabled():
+    if offers is None or not torch.is_grad_enabled():
         return
     if output.numel() == 0 or not output.is_contiguous():
         return
@@ -100,21 +105,81 @@ def _unpack(saved):
     return value.as_strided(shape, stride, offset)
 
 
-@contextlib.contextmanager
-def recomputing_outputs():
-    """Within this scope, offered outputs are saved for the backward as recipes (see module doc)."""
-    if _active() is not None or torch.compiler.is_compiling():
-        yield  # nested scope (or torch.compile, which plans recomputation itself): nothing to add
-        return
-    _state.offers = offers = {}
+def _top_hooks_accessor():
+    """torch's reader of the innermost default saved-tensor hooks (a private API: torch >= 2.8 has
+    ``_top_saved_tensors_default_hooks(ignore_is_tracing)``), or None."""
+    return getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
+
+
+def outer_hooks_reason() -> str | None:
+    """Why the scope must not install its hooks here, or None when nothing is in the way."""
+    enabled = getattr(torch._C._autograd, "_saved_tensors_hooks_is_enabled", None)
+    if enabled is not None and not enabled():
+        return "saved-tensor hooks are disabled here (torch.autograd.graph.disable_saved_tensors_hooks)"
+    top = _top_hooks_accessor()
+    cannot_tell = ("this torch has no way to read the active saved-tensor hooks, so foak cannot tell whether an "
+                   "outer hook (save_on_cpu, activation offloading) is active")
+    if top is None:
+        return cannot_tell
     try:
-        with torch.autograd.graph.saved_tensors_hooks(_pack, _unpack):
-            yield
-        for recipe in offers.values():
-            output = recipe.output()
-            if output is not None and recipe.pending and output._version != recipe.version:
-                raise RuntimeError(
-                    "foak: an RMSNorm output saved for the backward was modified in place; its recomputed "
-                    "value would not match. Disable foak's rms_norm switch for this model.")
-    finally:
-        _state.offers = None
+        try:
+            hooks = top(True)  # True: also while dynamo traces
+        except TypeError:  # a torch whose accessor takes no argument
+            hooks = top()
+    except Exception:
+        return cannot_tell
+    if hooks is None:
+        return None
+    pack = hooks[0]
+    name = getattr(pack, "__qualname__", None) or type(pack).__name__
+    return f"an outer saved-tensor hook is active ({getattr(pack, '__module__', '?')}.{name})"
+
+
+class recomputing_outputs:  # noqa: N801 (used like a function: ``with recomputing_outputs():``)
+    """Within this scope, offered outputs are saved for the backward as recipes (see module doc).
+
+    After entering, ``active`` says whether this scope installed its hooks; ``stepped_aside`` is the
+    reason when it did not because other saved-tensor hooks were in the way (None otherwise, also for a
+    scope nested in another one and under torch.compile, where there is nothing to add)."""
+
+    __slots__ = ("active", "stepped_aside", "_hooks", "_offers")
+
+    def __init__(self):
+        self.active = False
+        self.stepped_aside = None
+        self._hooks = self._offers = None
+
+    def __enter__(self):
+        if torch.compiler.is_compiling() or _active() is not None:
+            return self
+        reason = outer_hooks_reason()
+        if reason is not None:
+            self.stepped_aside = reason
+            return self
+        hooks = torch.autograd.graph.saved_tensors_hooks(_pack, _unpack)
+        _state.offers = self._offers = {}
+        try:
+            hooks.__enter__()
+        except BaseException:
+            _state.offers = self._offers = None
+            raise
+        self._hooks, self.active = hooks, True
+        return self
+
+    def __exit__(self, exc_type, exc, tb):
+        if not self.active:
+            return None
+        offers, hooks = self._offers, self._hooks
+        self.active, self._hooks, self._offers = False, None, None
+        try:
+            hooks.__exit__(exc_type, exc, tb)
+            if exc_type is None:
+                for recipe in offers.values():
+                    output = recipe.output()
+                    if output is not None and recipe.pending and output._version != recipe.version:
+                        raise RuntimeError(
+                            "foak: an RMSNorm output saved for the backward was modified in place; its recomputed "
+                            "value would not match. Disable foak's rms_norm switch for this model.")
+        finally:
+            _state.offers = None
+        return None

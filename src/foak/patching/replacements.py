@@ -48,13 +48,17 @@ def rms_norm_recompute_rule(arch: str, stack_class: type) -> Rule:
     """Within the decoder stack's forward, the projections that read an RMSNorm's output save it as a
     recipe (recomputed in the backward from what the norm keeps anyway) rather than as a second copy of
     every layer's hidden states (foak.ops._recompute). Scoped at the stack, outside every layer, so that
-    gradient checkpointing's own saved-tensor hooks take precedence inside checkpointed layers."""
+    gradient checkpointing's own saved-tensor hooks take precedence inside checkpointed layers. Under
+    saved-tensor hooks that are active around the stack (save_on_cpu, activation offloading) the scope
+    steps aside (foak.ops._recompute.recomputing_outputs)."""
 
     def patch(module, model, state):
         original_forward = module.forward
 
         @functools.wraps(original_forward)
         def forward(*args, **kwargs):
+            if torch.compiler.is_compiling():  # the compiler plans recomputation itself
+                return original_forward(*args, **kwargs)
             with recomputing_outputs():
                 return original_forward(*args, **kwargs)
 
