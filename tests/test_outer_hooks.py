@@ -103,12 +103,18 @@ def test_without_an_outer_hook_the_recompute_still_runs(ids, monkeypatch):
     init = _recompute._Saved.__init__
     monkeypatch.setattr(_recompute._Saved, "__init__", lambda self, *a: (handles.append(1), init(self, *a))[1])
     model = _model()
-    foak.patch(model, **ALL_SWITCHES)
+    row = foak.patch(model, **ALL_SWITCHES).result("llama.rms_norm_recompute")
     _step(model, ids)
     assert len(handles) == 5 * model.config.num_hidden_layers  # q, k, v, gate, up save recipes
+    assert row.notes == ""
     handles.clear()
     _step(model, ids, CountingHooks)
     assert handles == []  # stepped aside
+    assert row.notes == ("recompute stepped aside in 1 of 2 forwards (an outer saved-tensor hook was active: "
+                         "test_outer_hooks.CountingHooks.__init__.<locals>.pack)")
+    _step(model, ids)
+    assert len(handles) == 5 * model.config.num_hidden_layers
+    assert row.notes.startswith("recompute stepped aside in 1 of 3 forwards")
 
 
 def test_saved_tensor_hooks_disabled_outside_steps_aside(ids):
@@ -130,9 +136,9 @@ def test_outer_hook_detection():
     outer_hooks_reason = _recompute.outer_hooks_reason
     assert outer_hooks_reason() is None
     with CountingHooks():
-        assert "an outer saved-tensor hook is active" in outer_hooks_reason()
+        assert "an outer saved-tensor hook was active" in outer_hooks_reason()
     with torch.autograd.graph.save_on_cpu():
-        assert "an outer saved-tensor hook is active" in outer_hooks_reason()
+        assert "an outer saved-tensor hook was active" in outer_hooks_reason()
     with torch.autograd.graph.disable_saved_tensors_hooks("off"):
         assert "disabled" in outer_hooks_reason()
     assert outer_hooks_reason() is None
@@ -157,7 +163,7 @@ def test_detection_without_the_private_accessor(monkeypatch):
     monkeypatch.setattr(_recompute, "_top_hooks_accessor", lambda: (lambda: top(True)))  # no-argument form
     assert outer_hooks_reason() is None
     with CountingHooks():
-        assert "outer saved-tensor hook is active" in outer_hooks_reason()
+        assert "outer saved-tensor hook was active" in outer_hooks_reason()
 
     def broken(*args):
         raise RuntimeError("changed")

@@ -571,3 +571,89 @@ def test_every_kernel_with_gradient_checkpointing():
     ref_out, ref_grads = loss_and_grads(ref, batch)
     assert_close(out.loss, ref_out.loss, "loss with gradient checkpointing, all kernels")
     assert_grads_close(grads, ref_grads, "gradient checkpointing, all kernels")
+
+
+# ---- the report tells what runs when it is read --------------------------------------------------------
+
+
+@pytest.fixture
+def auto_backend():
+    yield
+    foak.set_backend("auto")
+
+
+def test_report_backend_is_read_at_call_time_not_at_patch_time(auto_backend, monkeypatch):
+    model = build("llama")
+    report = patch(model, **all_switches())
+    row = report.result("llama.rms_norm")
+    assert row.backend == "triton (interpreter) on cpu"  # conftest: TRITON_INTERPRET=1
+    assert "backend setting auto: triton on CUDA, triton (interpreter) on CPU" in str(report)
+    foak.set_backend("reference")  # after patching: the report follows
+    assert row.backend == "reference on cpu (forced)"
+    assert "backend setting reference (forced)" in str(report)
+    foak.set_backend("triton")
+    assert row.backend == "triton (interpreter) on cpu (forced)"
+    foak.set_backend("auto")
+    monkeypatch.setenv("TRITON_INTERPRET", "0")  # what dispatch does on a CPU-only machine
+    assert row.backend == "reference on cpu"
+    assert "backend setting auto: triton on CUDA, reference on CPU, reference on other devices" in str(report)
+    foak.set_backend("triton")  # would fail at call time: the report says so instead of raising
+    assert row.backend.startswith("error on cpu: backend forced to 'triton'")
+    str(report)
+    foak.set_backend("auto")
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    # the model moves after patching (as the HF Trainer moves it to the GPU): the column follows it
+    model.model.layers[1].to("meta")
+    assert row.backend == "triton (interpreter) on cpu, reference on meta"
+    model.to("meta")
+    assert row.backend == "reference on meta"
+    assert all(r.backend == "-" for r in report.results if r.modules == 0)
+
+
+def test_runs_on_names_what_each_device_gets(auto_backend, monkeypatch):
+    from foak import backend
+
+    assert backend.runs_on("cuda") == "triton on cuda"  # describe() looks only at the device type
+    assert backend.runs_on(torch.device("cpu")) == "triton (interpreter) on cpu"
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    assert backend.runs_on("cpu") == "reference on cpu"
+    assert backend.policy() == "auto: triton on CUDA, reference on CPU, reference on other devices"
+    foak.set_backend("triton")
+    assert backend.policy() == "triton (forced): triton on CUDA, error on CPU"
+    assert backend.runs_on("cuda") == "triton on cuda (forced)"
+
+
+def test_rules_note_what_happens_at_call_time():
+    model = build("llama")
+    report = patch(model, **all_switches())
+    row = report.result("llama.fused_linear_loss")
+    assert row.notes == "" and row.runtime == {}
+    row.note_runtime("calls", "ran 1 time")
+    row.note_runtime("calls", "ran 2 times")  # one note per key
+    row.note_runtime("other", "something else")
+    assert row.notes == "ran 2 times; something else"
+    line = next(l for l in str(report).splitlines() if l.startswith("llama.fused_linear_loss"))
+    assert line.endswith("ran 2 times; something else")
+    row.note_runtime("other", None)
+    assert row.runtime == {"calls": "ran 2 times"}
+    import pickle
+
+    assert pickle.loads(pickle.dumps(report)).result("llama.fused_linear_loss").notes == "ran 2 times"
+
+
+def test_the_report_stays_live_across_a_deepcopy():
+    # a deepcopy restores and re-patches the original: the report its user holds must stay the one updated
+    model = build("llama")
+    model.train()
+    report = patch(model, **all_switches())
+    clone = copy.deepcopy(model)
+    _PATCHED.append(clone)
+    assert foak.patch(model, **all_switches()) is report
+    batch = padded_batch(seq=5)
+    with torch.autograd.graph.save_on_cpu():
+        model(**batch).loss.backward()
+    note = report.result("llama.rms_norm_recompute").notes
+    assert note.startswith("recompute stepped aside in 1 of 1 forwards (an outer saved-tensor hook was active: "), note
+    assert "save_on_cpu" in note
+    assert report.result("llama.rms_norm_recompute") in report.results
+    assert foak.patch(clone, **all_switches()).result("llama.rms_norm_recompute").notes == ""

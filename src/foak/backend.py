@@ -4,7 +4,8 @@
 interpreter is on (``TRITON_INTERPRET=1``), and the reference otherwise (e.g. CPU tensors without the
 interpreter). A user can force either with :func:`set_backend` or the ``FOAK_BACKEND`` environment
 variable. The choice is made per call from the inputs alone, so it never changes in the middle of a
-training run whose tensors stay on one device.
+training run whose tensors stay on one device. :func:`policy` and :func:`runs_on` say in words what the
+current setting runs (foak's PatchReport prints them when it is printed, not when the model was patched).
 """
 
 from __future__ import annotations
@@ -62,3 +63,28 @@ def describe(device: torch.device) -> str:
     if not use_triton(device):
         return "reference"
     return "triton-interpreter" if device.type == "cpu" else "triton"
+
+
+_NAMES = {"triton": "triton", "triton-interpreter": "triton (interpreter)", "reference": "reference"}
+
+
+def runs_on(device: torch.device | str) -> str:
+    """What runs ops on ``device`` now, in words: "triton on cuda", "triton (interpreter) on cpu",
+    "reference on cpu (forced)"... A forced 'triton' that cannot serve the device says so instead of raising."""
+    device = torch.device(device)
+    forced = "" if get_backend() == "auto" else " (forced)"
+    try:
+        name = describe(device)
+    except ValueError:
+        return f"error on {device.type}: backend forced to 'triton', which needs CUDA or TRITON_INTERPRET=1"
+    return f"{_NAMES[name]} on {device.type}{forced}"
+
+
+def policy() -> str:
+    """The current dispatch setting in words, e.g. "auto: triton on CUDA, reference on CPU"."""
+    backend = get_backend()
+    if backend == "reference":
+        return "reference (forced)"
+    cpu = "triton (interpreter)" if interpreter_enabled() else ("error" if backend == "triton" else "reference")
+    head = "triton (forced)" if backend == "triton" else "auto"
+    return f"{head}: triton on CUDA, {cpu} on CPU" + (", reference on other devices" if backend == "auto" else "")

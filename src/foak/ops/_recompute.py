@@ -132,7 +132,7 @@ def outer_hooks_reason() -> str | None:
         return None
     pack = hooks[0]
     name = getattr(pack, "__qualname__", None) or type(pack).__name__
-    return f"an outer saved-tensor hook is active ({getattr(pack, '__module__', '?')}.{name})"
+    return f"an outer saved-tensor hook was active: {getattr(pack, '__module__', '?')}.{name}"
 
 
 class recomputing_outputs:  # noqa: N801 (used like a function: ``with recomputing_outputs():``)

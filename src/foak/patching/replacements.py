@@ -50,17 +50,26 @@ def rms_norm_recompute_rule(arch: str, stack_class: type) -> Rule:
     every layer's hidden states (foak.ops._recompute). Scoped at the stack, outside every layer, so that
     gradient checkpointing's own saved-tensor hooks take precedence inside checkpointed layers. Under
     saved-tensor hooks that are active around the stack (save_on_cpu, activation offloading) the scope
-    steps aside (foak.ops._recompute.recomputing_outputs)."""
+    steps aside (foak.ops._recompute.recomputing_outputs) and the rule's report row says how often."""
 
     def patch(module, model, state):
         original_forward = module.forward
+        row, counts = state.result, {"forwards": 0, "aside": 0}
 
         @functools.wraps(original_forward)
         def forward(*args, **kwargs):
             if torch.compiler.is_compiling():  # the compiler plans recomputation itself
                 return original_forward(*args, **kwargs)
-            with recomputing_outputs():
-                return original_forward(*args, **kwargs)
+            scope = recomputing_outputs()
+            with scope:
+                out = original_forward(*args, **kwargs)
+            counts["forwards"] += 1
+            if scope.stepped_aside is not None:
+                counts["aside"], counts["why"] = counts["aside"] + 1, scope.stepped_aside
+            if counts["aside"]:  # the last reason; a plain note while the scope always acted
+                row.note_runtime("stepped_aside", f"recompute stepped aside in {counts['aside']} of "
+                                 f"{counts['forwards']} forwards ({counts['why']})")
+            return out
 
         return forward
 

@@ -4,6 +4,10 @@ A :class:`Rule` says: every module that matches its :class:`Trigger` gets its ``
 the rule's ``patch`` function returns (an instance attribute, so the class and every other model stay
 untouched). ``patch`` may also install something module-global through the :class:`PatchState` it
 receives, which undoes it on restore. Parameters, buffers and therefore ``state_dict()`` are never touched.
+
+The :class:`PatchReport` tells what runs when it is read, not what ran when the model was patched: its
+backend column comes from the dispatch setting (foak.backend) and the devices the model's parameters are
+on at that moment, and a rule can add notes to its row at call time (:meth:`RuleResult.note_runtime`).
 """
 
 from __future__ import annotations
@@ -11,10 +15,12 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+import weakref
+
 import torch
 from torch import nn
 
-from foak.backend import describe
+from foak import backend as _backend
 
 _STATE_ATTR = "_foak_patch_state"
 
@@ -41,7 +47,8 @@ class Rule:
     """``id`` is stable (``llama.rms_norm``); ``switch`` is the config switch that enables it (see
     foak.config: rms_norm, rope, swiglu, loss, fused_linear_loss). ``patch(module, model, state)`` returns
     the new forward of ``module``. ``skip_reason(model)`` may explain why the rule does not apply to this
-    model (reported, never silent)."""
+    model (reported, never silent). ``state.result`` is the rule's report row while ``patch`` runs: a
+    replacement that keeps it can report what happens at call time with ``note_runtime``."""
 
     id: str
     switch: str
@@ -50,33 +57,79 @@ class Rule:
     skip_reason: Callable[[nn.Module], str | None] | None = None
 
 
-@dataclass
 class RuleResult:
-    rule_id: str
-    switch: str
-    modules: int
-    backend: str
-    note: str = ""
+    """One row of the report. ``backend`` is a fixed text ("-" for a rule that patched nothing) or, for
+    a rule that patched something, what runs its ops now (read when asked). ``note`` is said at patch time;
+    ``runtime`` holds the notes a rule adds while the model runs (see :meth:`note_runtime`)."""
+
+    def __init__(self, rule_id: str, switch: str, modules: int, backend: str | Callable[[], str] = "-",
+                 note: str = ""):
+        self.rule_id, self.switch, self.modules, self.note = rule_id, switch, modules, note
+        self._backend = backend
+        self.runtime: dict[str, str] = {}
+
+    @property
+    def backend(self) -> str:
+        return self._backend() if callable(self._backend) else self._backend
+
+    def note_runtime(self, key: str, text: str | None) -> None:
+        """Set (or with ``None`` remove) the call-time note ``key`` of this row, e.g.
+        ``note_runtime("stepped_aside", "stepped aside in 2 of 5 forwards: ...")``. One note per key:
+        a rule that reports a running count calls it again with the same key."""
+        if text is None:
+            self.runtime.pop(key, None)
+        else:
+            self.runtime[key] = text
+
+    @property
+    def notes(self) -> str:
+        """The patch-time note and the call-time notes, as the report prints them."""
+        return "; ".join(t for t in (self.note, *self.runtime.values()) if t)
+
+    def __repr__(self) -> str:
+        return (f"RuleResult({self.rule_id!r}, {self.switch!r}, {self.modules}, backend={self.backend!r}, "
+                f"notes={self.notes!r})")
 
 
 @dataclass
 class PatchReport:
-    """Per rule: how many modules it patched, which backend runs them, and a note when it patched none."""
+    """Per rule: how many modules it patched, what runs them, and notes (why it patched nothing; what it
+    did at call time). Read it (``str(report)``, ``result.backend``) when you want to know: nothing in
+    it is frozen at patch time."""
 
     model_type: str
     results: list[RuleResult] = field(default_factory=list)
+    _model: Callable[[], nn.Module | None] | None = field(default=None, repr=False, compare=False)
 
     def count(self, rule_id: str) -> int:
         return next(r.modules for r in self.results if r.rule_id == rule_id)
 
+    def result(self, rule_id: str) -> RuleResult:
+        return next(r for r in self.results if r.rule_id == rule_id)
+
+    def devices(self) -> list[torch.device]:
+        """The device types the patched model's parameters are on now (empty if it is gone or has none)."""
+        model = self._model() if self._model is not None else None
+        types = [] if model is None else list(dict.fromkeys(p.device.type for p in model.parameters()))
+        return [torch.device(t) for t in types]
+
+    def backend_text(self) -> str:
+        """What runs the patched ops now: per device the model is on (``foak.backend.runs_on``), else the
+        dispatch policy."""
+        devices = self.devices()
+        return ", ".join(_backend.runs_on(d) for d in devices) if devices else _backend.policy()
+
     def __str__(self) -> str:
         header = ("rule", "switch", "modules", "backend", "note")
-        rows = [(r.rule_id, r.switch, str(r.modules), r.backend, r.note) for r in self.results]
+        rows = [(r.rule_id, r.switch, str(r.modules), r.backend, r.notes) for r in self.results]
         widths = [max(len(row[i]) for row in [header, *rows]) for i in range(len(header))]
-        lines = [f"foak patch report ({self.model_type})"]
+        lines = [f"foak patch report ({self.model_type}; backend setting {_backend.policy()})"]
         for row in [header, *rows]:
             lines.append("  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip())
         return "\n".join(lines)
+
+    def __getstate__(self):  # picklable: the weak reference to the model is not kept
+        return {**self.__dict__, "_model": None}
 
 
 class PatchState:
@@ -84,6 +137,7 @@ class PatchState:
 
     def __init__(self, report: PatchReport):
         self.report = report
+        self.result: RuleResult | None = None  # the row of the rule being applied
         self.forwards: list[tuple[nn.Module, object]] = []  # (module, previous instance forward or _MISSING)
         self.undo: list[Callable[[], None]] = []
 
@@ -98,7 +152,8 @@ class PatchState:
 _MISSING = object()
 
 
-def apply(model: nn.Module, rules: list[Rule], model_type: str = "") -> PatchReport:
+def apply(model: nn.Module, rules: list[Rule], model_type: str = "", _report: PatchReport | None = None
+          ) -> PatchReport:
     """Patch ``model`` in place with ``rules``; applying the same rules again is a no-op that returns the
     first report, applying different ones is an error (restore first)."""
     state = model.__dict__.get(_STATE_ATTR)
@@ -109,10 +164,12 @@ def apply(model: nn.Module, rules: list[Rule], model_type: str = "") -> PatchRep
                 f"patching it with a different set of rules ({[r.id for r in rules]})"
             )
         return state.report
-    report = PatchReport(model_type or type(model).__name__)
+    # _report: re-patching a model (after a deepcopy) refills the report its user already holds
+    report = PatchReport(model_type or type(model).__name__) if _report is None else _report
+    previous = {r.rule_id: r for r in report.results}
+    report.results = []
+    report._model = weakref.ref(model)
     state = PatchState(report)
-    device = next((p.device for p in model.parameters()), torch.device("cpu"))
-    backend = describe(device)
     named = list(model.named_modules())
     try:
         for rule in rules:
@@ -120,13 +177,18 @@ def apply(model: nn.Module, rules: list[Rule], model_type: str = "") -> PatchRep
             if reason:
                 report.results.append(RuleResult(rule.id, rule.switch, 0, "-", f"not applied: {reason}"))
                 continue
-            count = 0
+            result = state.result = RuleResult(rule.id, rule.switch, 0, report.backend_text)
+            if rule.id in previous:
+                result.runtime.update(previous[rule.id].runtime)
             for name, module in named:
                 if rule.trigger.matches(name, module, model):
                     state.set_forward(module, rule.patch(module, model, state))
-                    count += 1
-            note = "" if count else f"matched nothing (no {rule.trigger.module_class.__name__} module)"
-            report.results.append(RuleResult(rule.id, rule.switch, count, backend if count else "-", note))
+                    result.modules += 1
+            state.result = None
+            if not result.modules:
+                result._backend = "-"
+                result.note = f"matched nothing (no {rule.trigger.module_class.__name__} module)"
+            report.results.append(result)
     except BaseException:
         _undo(state)
         raise
@@ -153,12 +215,12 @@ def _deepcopy_patched(model: nn.Module, memo: dict) -> nn.Module:
     import copy
 
     state = model.__dict__[_STATE_ATTR]
-    rules, model_type = state.rules, state.model_type
+    rules, model_type, report = state.rules, state.model_type, state.report
     restore(model)
     try:
         clone = copy.deepcopy(model, memo)
     finally:
-        apply(model, rules, model_type)
+        apply(model, rules, model_type, _report=report)  # the report the user holds stays the live one
     apply(clone, rules, model_type)
     return clone
 
