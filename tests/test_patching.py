@@ -657,3 +657,35 @@ def test_the_report_stays_live_across_a_deepcopy():
     assert "save_on_cpu" in note
     assert report.result("llama.rms_norm_recompute") in report.results
     assert foak.patch(clone, **all_switches()).result("llama.rms_norm_recompute").notes == ""
+
+
+def test_an_unpatched_model_in_another_thread_keeps_hf_rope(kernel_calls):
+    # the RoPE dispatcher's "inside a patched attention" flag is per thread: while a patched attention
+    # forward is running, an unpatched Llama run by another thread computes HF's function
+    import threading
+
+    patched, plain = build("llama"), build("llama")
+    ref = copy.deepcopy(plain)
+    patch(patched, fast_rope_embeddings=True)
+    batch = padded_batch(seq=5)
+    seen = {}
+
+    def run_plain_in_a_thread(module, args):
+        if "loss" in seen:
+            return
+        seen["flag in the patched thread"] = replacements._ROPE_ACTIVE.on
+        before = kernel_calls["rope"]
+        worker = threading.Thread(target=lambda: seen.update(loss=plain(**batch).loss))
+        worker.start()
+        worker.join()
+        seen["foak rope calls of the other thread"] = kernel_calls["rope"] - before
+
+    handle = patched.model.layers[0].self_attn.q_proj.register_forward_pre_hook(run_plain_in_a_thread)
+    try:
+        patched(**batch)
+    finally:
+        handle.remove()
+    assert seen["flag in the patched thread"] is True
+    assert seen["foak rope calls of the other thread"] == 0
+    assert torch.equal(seen["loss"], ref(**batch).loss)
+    assert kernel_calls["rope"] == 2  # the patched model's two layers

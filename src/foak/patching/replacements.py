@@ -7,7 +7,6 @@ and loss rules wrap the original forward and change only the one call they accel
 
 from __future__ import annotations
 
-import contextvars
 import functools
 import sys
 import threading
@@ -122,17 +121,28 @@ def glu_mlp_rule(arch: str, mlp_class: type) -> Rule:
 # ---- RoPE --------------------------------------------------------------------------------------------
 # The modeling files look ``apply_rotary_pos_emb`` up in their module globals at call time. foak swaps
 # that global for a dispatcher that runs foak's kernel only inside the forward of a patched attention
-# module (a context variable marks it) and the original everywhere else, so an unpatched model in the
+# module (a per-thread flag marks it) and the original everywhere else, so an unpatched model in the
 # same process computes exactly what it did. The global is restored when the last model using it is
 # restored or garbage-collected.
-_ROPE_ACTIVE = contextvars.ContextVar("foak_rope_active", default=False)
+
+
+class _ThreadFlag(threading.local):
+    """A per-thread on/off flag that torch.compile traces (ContextVar.get/set are graph breaks). ``on``
+    exists from the start in every thread, so a compiled graph's guard on it does not change after the
+    first call."""
+
+    def __init__(self):
+        self.on = False
+
+
+_ROPE_ACTIVE = _ThreadFlag()
 _rope_lock = threading.Lock()
 _rope_installs: dict[tuple[str, str], list] = {}  # (module, name) -> [original, refcount]
 
 
 def _foak_apply_rotary_pos_emb(original):
     def apply_rotary_pos_emb(q, k, cos, sin, *args, **kwargs):
-        if not _ROPE_ACTIVE.get():
+        if not _ROPE_ACTIVE.on:
             return original(q, k, cos, sin, *args, **kwargs)
         unsqueeze_dim = kwargs.pop("unsqueeze_dim", args[0] if args else 1)
         if kwargs or len(args) > 1:
@@ -186,11 +196,12 @@ def rope_rule(arch: str, attention_class: type, function_name: str = "apply_rota
 
         @functools.wraps(original_forward)  # keeps the signature (HF Trainer inspects it)
         def forward(*args, **kwargs):
-            token = _ROPE_ACTIVE.set(True)
+            previous = _ROPE_ACTIVE.on
+            _ROPE_ACTIVE.on = True
             try:
                 return original_forward(*args, **kwargs)
             finally:
-                _ROPE_ACTIVE.reset(token)
+                _ROPE_ACTIVE.on = previous
 
         return forward
 
@@ -204,8 +215,7 @@ def rope_rule(arch: str, attention_class: type, function_name: str = "apply_rota
 # logits_scaling, which commutes with the LM head's matmul). The loss is then foak's
 # linear_cross_entropy on (hidden, lm_head.weight): the [tokens, vocab] logits never exist, and the
 # output's ``logits`` is None. Without labels, or without grad (evaluation wants logits), the model runs
-# unchanged.
-_HIDDEN_PASSTHROUGH = contextvars.ContextVar("foak_lm_head_passthrough", default=False)
+# unchanged. "While" is a per-model, per-thread flag (a _ThreadFlag in the rule's closure).
 # The loss runs at the end of the forward, while every saved activation is alive, so its transient chunk
 # adds to the step's peak. 512 MiB chunks (vs the op's 112 MiB default) measured +2.4% tokens/s on the
 # Llama-1B-dims step and +3.5% on Llama-8B-dims for +0.3-0.4 GiB peak (benchmarks/results/train_step_h200_explore.json).
@@ -246,15 +256,16 @@ def fused_linear_loss_rule(arch: str, causal_lm_class: type) -> Rule:
         # model_module is the causal LM itself (model may be a wrapper around it, e.g. a PeftModel)
         lm_head = model_module.lm_head
         head_forward = lm_head.forward
+        passthrough = _ThreadFlag()  # on: inside this model's training forward, on this thread
 
         def lm_head_forward(hidden_states):
-            return hidden_states if _HIDDEN_PASSTHROUGH.get() else head_forward(hidden_states)
+            return hidden_states if passthrough.on else head_forward(hidden_states)
 
         state.set_forward(lm_head, lm_head_forward)
 
         def loss_function(logits, labels, vocab_size=None, num_items_in_batch=None, ignore_index=-100,
                           shift_labels=None, **kwargs):
-            if not _HIDDEN_PASSTHROUGH.get():
+            if not passthrough.on:
                 raise RuntimeError("foak fused_linear_loss: loss_function called outside a patched forward")
             target, shift = _hf_loss_arguments(labels, shift_labels, ignore_index)
             hidden = logits.to(lm_head.weight.dtype)  # the model may have upcast its "logits"
@@ -277,11 +288,12 @@ def fused_linear_loss_rule(arch: str, causal_lm_class: type) -> Rule:
                     return original_forward(*args, **kwargs)
                 finally:
                     model_module.loss_function = loss_function
-            token = _HIDDEN_PASSTHROUGH.set(True)
+            previous = passthrough.on
+            passthrough.on = True
             try:
                 out = original_forward(*args, **kwargs)
             finally:
-                _HIDDEN_PASSTHROUGH.reset(token)
+                passthrough.on = previous
             if isinstance(out, tuple):  # return_dict=False: (loss, logits, ...)
                 return (out[0], None, *out[2:])
             out["logits"] = None  # they were never computed

@@ -1,0 +1,100 @@
+"""torch.compile(fullgraph=True) of a whole patched model with every switch on.
+
+fullgraph=True turns any graph break into an error; the graph-break counter is checked as well. The
+compiled model (backend aot_eager: forward and backward graphs, run eagerly, so the comparison is about
+what dynamo traced, not about a code generator's numerics) must give the loss and every parameter
+gradient of the eager patched model and of the unpatched model to 1e-5 relative (fp32).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch._dynamo.utils import counters
+
+import foak
+from foak.models.tiny import tiny_model
+from foak.patching import replacements
+from foak.testing import relative_error
+
+KERNELS = dict(fast_rms_layernorm=True, fast_rope_embeddings=True, fast_swiglu=True)
+# the custom ops each configuration must have traced (forward and backward graphs together); the loss
+# ops may compute their gradient in the forward or in the backward, so only their forward is required
+OPS = {"fused_linear_loss": ("rms_norm_forward", "rms_norm_backward", "rope", "glu_forward",
+                             "glu_backward_and_output", "linear_cross_entropy_forward"),
+       "fast_loss": ("rms_norm_forward", "rms_norm_backward", "rope", "glu_forward", "glu_backward_and_output",
+                     "cross_entropy_forward")}
+
+
+def _step(run, model, ids):
+    model.zero_grad(set_to_none=True)
+    loss = run(input_ids=ids, labels=ids).loss
+    loss.backward()
+    return loss.detach(), {name: p.grad.clone() for name, p in model.named_parameters()}
+
+
+def _compile(model):
+    graphs = []
+
+    def recording_aot_eager(gm, example_inputs):
+        from functorch.compile import make_boxed_func
+        from torch._dynamo.backends.common import aot_autograd
+
+        def keep(g, _):
+            graphs.append(g.print_readable(print_output=False))
+            return make_boxed_func(g.forward)
+
+        return aot_autograd(fw_compiler=keep, bw_compiler=keep)(gm, example_inputs)
+
+    return torch.compile(model, backend=recording_aot_eager, fullgraph=True), graphs
+
+
+@pytest.mark.parametrize("loss_switch", ["fused_linear_loss", "fast_loss"])
+def test_whole_patched_model_compiles_without_graph_breaks(loss_switch):
+    model, ref = tiny_model("llama"), tiny_model("llama")
+    model.train(), ref.train()
+    foak.patch(model, **KERNELS, **{loss_switch: True})
+    ids = torch.randint(0, model.config.vocab_size, (2, 9))
+    torch._dynamo.reset()
+    counters.clear()
+    compiled, graphs = _compile(model)
+    try:
+        loss_c, grads_c = _step(compiled, model, ids)
+        assert dict(counters["graph_break"]) == {}
+        assert len([g for g in graphs if "torch.ops.foak.rope" in g]) == 2  # one forward, one backward graph
+        traced = "\n".join(graphs)
+        for op in OPS[loss_switch]:
+            assert f"torch.ops.foak.{op}." in traced, op
+        loss_c2, grads_c2 = _step(compiled, model, ids)  # a second step runs the cached graphs
+        assert len(graphs) == 2, "recompiled"
+        loss_e, grads_e = _step(model, model, ids)  # eager patched, after compiling: the flags were reset
+        loss_r, grads_r = _step(ref, ref, ids)
+    finally:
+        foak.restore(model)
+    assert replacements._ROPE_ACTIVE.on is False
+    assert torch.equal(loss_c, loss_c2)
+    for reference, what in ((loss_e, "eager patched"), (loss_r, "unpatched")):
+        assert relative_error(loss_c, reference) < 1e-5, what
+    for name in grads_r:
+        assert relative_error(grads_c[name], grads_e[name]) < 1e-5, f"{name} vs eager patched"
+        assert relative_error(grads_c[name], grads_r[name]) < 1e-5, f"{name} vs unpatched"
+        assert torch.equal(grads_c[name], grads_c2[name]), name
+
+
+def test_an_unpatched_model_compiled_beside_a_patched_one_keeps_hf_rope():
+    # the RoPE dispatcher is a module global shared by every Llama: compiled, an unpatched model must
+    # still trace HF's rotary embedding, and the patched one foak's
+    patched, plain = tiny_model("llama"), tiny_model("llama")
+    foak.patch(patched, **KERNELS, fused_linear_loss=True)
+    ids = torch.randint(0, patched.config.vocab_size, (1, 7))
+    try:
+        torch._dynamo.reset()
+        compiled_plain, graphs_plain = _compile(plain)
+        compiled_patched, graphs_patched = _compile(patched)
+        loss_plain = compiled_plain(input_ids=ids, labels=ids).loss
+        loss_patched = compiled_patched(input_ids=ids, labels=ids).loss
+        assert not any("torch.ops.foak" in g for g in graphs_plain)
+        assert any("torch.ops.foak.rope." in g for g in graphs_patched)
+        assert relative_error(loss_patched, loss_plain) < 1e-5
+    finally:
+        foak.restore(patched)
