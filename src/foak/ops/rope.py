@@ -12,6 +12,10 @@ Two ways to give positions:
   the kernel; positions may restart anywhere inside a row (packed sequences).
 
 The op is out of place: q and k are never modified (autograd may still need them).
+
+Dtypes follow HF's ``q * cos + rotate_half(q) * sin``: the outputs have the promoted dtype of (q, cos)
+(under autocast over fp32 weights q/k come from bf16 linears and cos/sin are fp32, so the outputs are
+fp32, as in HF), and the gradients of q and k have their own dtype.
 """
 
 from __future__ import annotations
@@ -36,7 +40,8 @@ def _gather(cos, sin, position_ids):
 
 
 def rope_reference(q, k, cos, sin, position_ids=None):
-    """The math in plain torch (fp32 inside, cast back to the input dtype). Returns (q_out, k_out)."""
+    """The math in plain torch (fp32 inside, cast to the promoted dtype of q and cos). Returns (q_out, k_out)."""
+    out_dtype = torch.promote_types(q.dtype, cos.dtype)
     cos, sin = _gather(cos, sin, position_ids)
     cos = cos.float().unsqueeze(1)  # broadcast over heads
     sin = sin.float().unsqueeze(1)
@@ -47,7 +52,7 @@ def rope_reference(q, k, cos, sin, position_ids=None):
         xr, xpass = xf[..., :rot], xf[..., rot:]
         x1, x2 = xr[..., : rot // 2], xr[..., rot // 2 :]
         out = xr * cos + torch.cat((-x2, x1), dim=-1) * sin
-        return torch.cat((out, xpass), dim=-1).to(x.dtype)
+        return torch.cat((out, xpass), dim=-1).to(out_dtype)
 
     return rotate(q), rotate(k)
 
@@ -72,7 +77,7 @@ def _rotate_heads(
     if BLOCK_PASS > 0:  # partial rotary: the tail of each head is copied unchanged
         p = 2 * half + tl.arange(0, BLOCK_PASS)[None, :]
         pmask = (h < n_heads) & (p < head_dim)
-        tl.store(dst + p, tl.load(src + p, mask=pmask, other=0.0), mask=pmask)
+        tl.store(dst + p, tl.load(src + p, mask=pmask, other=0.0).to(XO.dtype.element_ty), mask=pmask)
 
 
 @triton.jit
@@ -116,7 +121,16 @@ def _unit_last(t: torch.Tensor) -> torch.Tensor:
     return t if t.stride(-1) == 1 else t.contiguous()
 
 
-def _launch(q, k, cos, sin, position_ids, backward: bool):
+def _out_dtype(q, cos, backward: bool, out_dtype):
+    if out_dtype is not None:
+        return out_dtype
+    return q.dtype if backward else torch.promote_types(q.dtype, cos.dtype)
+
+
+def _launch(q, k, cos, sin, position_ids, backward: bool, out_dtype: torch.dtype | None = None):
+    """Rotates q, k (the backward: dq_out, dk_out) into new tensors of ``out_dtype`` (default: the
+    promoted dtype of q and cos forward, q's dtype backward)."""
+    out_dtype = _out_dtype(q, cos, backward, out_dtype)
     q, k = _unit_last(q), _unit_last(k)
     cos, sin = _unit_last(cos), _unit_last(sin)
     if cos.stride() != sin.stride():
@@ -124,7 +138,8 @@ def _launch(q, k, cos, sin, position_ids, backward: bool):
     batch, n_q_heads, seq_len, head_dim = q.shape
     n_k_heads = k.shape[1]
     half = cos.shape[-1] // 2
-    q_out, k_out = torch.empty_like(q), torch.empty_like(k)  # keeps q's layout (e.g. [B,S,H,D] storage)
+    # empty_like keeps q's layout (e.g. [B,S,H,D] storage)
+    q_out, k_out = torch.empty_like(q, dtype=out_dtype), torch.empty_like(k, dtype=out_dtype)
     if position_ids is not None:
         pos = position_ids
         pos_sb = pos.stride(0) if pos.shape[0] > 1 else 0
@@ -151,16 +166,17 @@ def _launch(q, k, cos, sin, position_ids, backward: bool):
 
 
 # 4. custom op and autograd ------------------------------------------------------------------------
-def _rope_fake(q, k, cos, sin, position_ids, backward):
-    return torch.empty_like(_unit_last(q)), torch.empty_like(_unit_last(k))
+def _rope_fake(q, k, cos, sin, position_ids, backward, out_dtype=None):
+    dtype = _out_dtype(q, cos, backward, out_dtype)
+    return torch.empty_like(_unit_last(q), dtype=dtype), torch.empty_like(_unit_last(k), dtype=dtype)
 
 
 @custom_op("rope", _rope_fake)
 def _rope_op(
     q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-    position_ids: torch.Tensor | None, backward: bool,
+    position_ids: torch.Tensor | None, backward: bool, out_dtype: torch.dtype | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    return _launch(q, k, cos, sin, position_ids, backward)
+    return _launch(q, k, cos, sin, position_ids, backward, out_dtype)
 
 
 class _RoPEFunction(torch.autograd.Function):
@@ -168,12 +184,13 @@ class _RoPEFunction(torch.autograd.Function):
     def forward(ctx, q, k, cos, sin, position_ids):
         q_out, k_out = _rope_op(q, k, cos, sin, position_ids, False)
         ctx.save_for_backward(cos, sin, position_ids)
+        ctx.input_dtype = q.dtype  # q and k share it (checked)
         return q_out, k_out
 
     @staticmethod
     def backward(ctx, dq_out, dk_out):
         cos, sin, position_ids = ctx.saved_tensors
-        dq, dk = _rope_op(dq_out, dk_out, cos, sin, position_ids, True)
+        dq, dk = _rope_op(dq_out, dk_out, cos, sin, position_ids, True, ctx.input_dtype)
         return dq, dk, None, None, None
 
 
@@ -230,7 +247,8 @@ def _validate(q, k, cos, sin, position_ids) -> None:
 
 
 def rope(q, k, cos, sin, position_ids=None):
-    """Rotate q [B, Hq, S, D] and k [B, Hkv, S, D]; returns new tensors (q_out, k_out)."""
+    """Rotate q [B, Hq, S, D] and k [B, Hkv, S, D]; returns new tensors (q_out, k_out) of the promoted
+    dtype of q and cos (HF's type promotion: fp32 for bf16 q with fp32 cos under autocast)."""
     _validate(q, k, cos, sin, position_ids)
     if not use_triton(q.device):
         return rope_reference(q, k, cos, sin, position_ids)
