@@ -3,8 +3,10 @@ its own process so that peak memory is clean. Models are built from configs with
 (ANCHORS.md dims); input = random token ids, labels = inputs; bf16 weights, fused AdamW, sdpa.
 
     python3 benchmarks/train_step.py --out DIR [--models llama1b ...] [--variants hf foak liger]
-                                     [--checkpointing] [--packed] [--profile] [--lce-chunk-mib N] [--tag T]
-    -> DIR/train_step_h200_<models>[_checkpointing][_packed][_T].json
+                                     [--checkpointing] [--packed] [--autocast] [--profile] [--lce-chunk-mib N]
+                                     [--tag T]
+    -> DIR/train_step_h200_<models>[_checkpointing][_packed][_autocast][_T].json
+    --autocast: fp32 weights, forward under bf16 autocast (HF Trainer's bf16=True on an fp32 model)
     python3 benchmarks/train_step.py --one llama1b foak      # a single variant (what the driver runs)
     python3 benchmarks/train_step.py --models tiny --variants hf foak --device cpu --out /tmp/x  # smoke
 """
@@ -103,14 +105,14 @@ def profile_steps(step, batches, n_steps: int) -> dict:
 
 
 def run_one(model_name: str, variant: str, checkpointing: bool = False, packed: bool = False,
-            device: str = "cuda", profile: bool = False) -> dict:
+            device: str = "cuda", profile: bool = False, autocast: bool = False) -> dict:
     import transformers
 
     class_name, dims, batch, seq = MODELS[model_name]
     config = getattr(transformers, class_name)(**dims)
     config._attn_implementation = "sdpa"
     torch.manual_seed(0)
-    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    dtype = torch.bfloat16 if device == "cuda" and not autocast else torch.float32
     with torch.device(device):
         model = transformers.AutoModelForCausalLM.from_config(config, dtype=dtype)
     model.config.use_cache = False
@@ -124,7 +126,8 @@ def run_one(model_name: str, variant: str, checkpointing: bool = False, packed: 
 
         switches = {r.switch for r in rules_for(model)}
         report = str(foak.patch(model, fast_rms_layernorm=True, fast_rope_embeddings=True,
-                                fast_swiglu="swiglu" in switches, fused_linear_loss=True, mixed_precision="no"))
+                                fast_swiglu="swiglu" in switches, fused_linear_loss=True,
+                                mixed_precision="bf16" if autocast else "no"))
     elif variant == "liger":
         import liger_kernel.transformers as liger
 
@@ -141,7 +144,8 @@ def run_one(model_name: str, variant: str, checkpointing: bool = False, packed: 
     losses = []
 
     def step(inputs):
-        loss = model(**inputs).loss
+        with torch.autocast(device, dtype=torch.bfloat16, enabled=autocast):
+            loss = model(**inputs).loss
         loss.backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
@@ -166,6 +170,7 @@ def run_one(model_name: str, variant: str, checkpointing: bool = False, packed: 
         except Exception as err:  # the timing above stands; say why the profile is missing
             profiled = {"error": f"{type(err).__name__}: {err}"}
     return {"model": model_name, "variant": variant, "checkpointing": checkpointing, "packed": packed,
+            "autocast": autocast, "weights": str(dtype).replace("torch.", ""),
             "batch": batch, "seq": seq, "tokens_per_s": TIMED * batch * seq / seconds,
             "step_ms": seconds / TIMED * 1e3,
             "peak_gib": peak_gib, "losses": [float(x) for x in losses], "patch_report": report,
@@ -179,6 +184,7 @@ def main() -> int:
     parser.add_argument("--variants", nargs="*", default=["hf", "foak", "liger"])
     parser.add_argument("--checkpointing", action="store_true", help="gradient checkpointing (non-reentrant)")
     parser.add_argument("--packed", action="store_true", help="rows of packed variable-length sequences")
+    parser.add_argument("--autocast", action="store_true", help="fp32 weights + bf16 autocast")
     parser.add_argument("--device", default="cuda", help="cpu: a smoke test of the code paths (use --models tiny)")
     parser.add_argument("--lce-chunk-mib", type=int, default=0,
                         help="foak: linear_cross_entropy's chunk budget (default: its TUNING value)")
@@ -192,11 +198,11 @@ def main() -> int:
 
             lce.TUNING["chunk_bytes"] = args.lce_chunk_mib * 2**20
         result = run_one(*args.one, checkpointing=args.checkpointing, packed=args.packed, device=args.device,
-                         profile=args.profile)
+                         profile=args.profile, autocast=args.autocast)
         print("RESULT " + json.dumps(result), flush=True)
         return 0
     flags = [f for f, on in (("--checkpointing", args.checkpointing), ("--packed", args.packed),
-                             ("--profile", args.profile)) if on]
+                             ("--autocast", args.autocast), ("--profile", args.profile)) if on]
     if args.lce_chunk_mib:
         flags += ["--lce-chunk-mib", str(args.lce_chunk_mib)]
     rows = []

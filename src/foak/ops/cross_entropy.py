@@ -184,13 +184,13 @@ def _cross_entropy_row(
                 i_lane = tl.zeros([BLOCK], dtype=tl.int32)
             if HAS_SMOOTHING:
                 # sum_j w_j (z_j - z_0): shifted by the row's first logit so that a large common offset cancels
-                z_first, _ = _transform(tl.load(x_row).to(tl.float32), inv_scaling, softcap, HAS_SOFTCAP)
+                z_first, th_first = _transform(tl.load(x_row).to(tl.float32), inv_scaling, softcap, HAS_SOFTCAP)
                 acc_lane = tl.zeros([BLOCK], dtype=tl.float32)
             for i in range(n_chunks):
                 c = i * BLOCK + cols
                 mask = c < n_cols
                 x = tl.load(x_row + c, mask=mask, other=0.0).to(tl.float32)
-                z, _ = _transform(x, inv_scaling, softcap, HAS_SOFTCAP)
+                z, th_unused = _transform(x, inv_scaling, softcap, HAS_SOFTCAP)
                 z = tl.where(mask, z, float("-inf"))
                 # lanes that have only seen padding keep m = -inf and s = 0 (shift by 0, not by -inf)
                 m_new = tl.maximum(m_lane, z)
@@ -208,7 +208,7 @@ def _cross_entropy_row(
             s = tl.sum(s_lane * tl.exp2((m_lane - m) * LOG2E), axis=0)
             log_s = tl.log(s)
             x_t = tl.load(x_row + target, mask=in_range, other=float("nan")).to(tl.float32)
-            z_t, _ = _transform(x_t, inv_scaling, softcap, HAS_SOFTCAP)
+            z_t, th_t = _transform(x_t, inv_scaling, softcap, HAS_SOFTCAP)
             loss = w_t * ((m - z_t) + log_s)
             if HAS_SMOOTHING:
                 # sum_j w_j (lse - z_j) = w_sum * (lse - z_0) - sum_j w_j (z_j - z_0)
