@@ -11,7 +11,7 @@ Tolerance of the model comparison: 2e-2 relative (Frobenius) for the loss and ea
 bf16 keeps 8 significant bits (spacing 2^-7 = 7.8e-3 at 1); foak fuses silu(g) * u and the rotation in
 fp32 and rounds once, where HF rounds intermediate bf16 results, so the two differ by about one bf16
 spacing per op, the size of autocast's own error (HF under autocast vs HF in fp32: ~8e-3 on this model).
-A second check asks that foak is no further from the fp32 model than HF's autocast run is, within 25%.
+A second check asks that foak is no further from the fp32 model than HF's autocast run is (1.25x + 1e-3).
 """
 
 from __future__ import annotations
@@ -104,8 +104,9 @@ def test_patched_model_under_autocast_matches_hf_dtypes_and_gradients(arch, back
     assert relative_error(loss, loss_hf) < TOL
     for name in grads_hf:
         assert relative_error(grads[name], grads_hf[name]) < TOL, name
-        # foak is no further from the fp32 model than HF's own autocast run
-        assert relative_error(grads[name], grads_32[name]) < 1.25 * relative_error(grads_hf[name], grads_32[name]) + 1e-3, name
+        # foak is no further from the fp32 model than HF's own autocast run (25% and 1e-3 of slack)
+        own_error = relative_error(grads_hf[name], grads_32[name])
+        assert relative_error(grads[name], grads_32[name]) < 1.25 * own_error + 1e-3, name
 
 
 def _rotate_half(x):

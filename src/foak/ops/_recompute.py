@@ -13,10 +13,11 @@ checkpointed region, so the two compose. Saved-tensor hooks that are already act
 entered (``torch.autograd.graph.save_on_cpu``, TRL's activation offloading, a checkpoint around the whole
 model) would be hidden by ours, since only the innermost hook sees a saved tensor: then the scope steps
 aside and installs nothing, so those hooks see every tensor (``recomputing_outputs().stepped_aside``
-says why). Under torch.compile the scope does nothing (the compiler plans recomputation itself). Safety: the version counters of the recipe's inputs are checked
-when recomputing, and an offered output modified in place before it was saved is saved normally; an
-in-place change after it was saved is what autograd itself would refuse, and is detected while the
-output is still alive when the scope exits.
+says why). Under torch.compile the scope does nothing (the compiler plans recomputation itself).
+
+Safety: the version counters of the recipe's inputs are checked when recomputing, and an offered output
+modified in place before it was saved is saved normally; an in-place change after it was saved is what
+autograd itself would refuse, and is detected while the output is still alive when the scope exits.
 """
 
 from __future__ import annotations

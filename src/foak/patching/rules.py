@@ -12,10 +12,9 @@ on at that moment, and a rule can add notes to its row at call time (:meth:`Rule
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
-
-import weakref
 
 import torch
 from torch import nn
