@@ -8,6 +8,10 @@ Either patch the model before building the trainer::
 or let the trainer do it when it is created (the mixed precision is read from its TrainingArguments)::
 
     trainer = SFTTrainer(model=model, args=args, callbacks=[FoakCallback("foak.yaml")], ...)
+
+TRL's trainers score the labels through their own fused LM head, past the model's loss: with
+fused_linear_loss on, foak serves that head too (foak/integrations/trl.py; the rule's report row counts the
+calls and names any that TRL's kernel ran).
 """
 
 from __future__ import annotations

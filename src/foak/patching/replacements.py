@@ -262,6 +262,9 @@ def fused_linear_loss_rule(arch: str, causal_lm_class: type) -> Rule:
             return hidden_states if passthrough.on else head_forward(hidden_states)
 
         state.set_forward(lm_head, lm_head_forward)
+        from foak.integrations.trl import serve_trl_fused_head  # TRL's own fused head skips lm_head and loss
+
+        serve_trl_fused_head(model_module, state, FUSED_LOSS_CHUNK_BYTES)
 
         def loss_function(logits, labels, vocab_size=None, num_items_in_batch=None, ignore_index=-100,
                           shift_labels=None, **kwargs):
