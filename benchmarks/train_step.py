@@ -195,8 +195,10 @@ def main() -> int:
     if args.one:
         if args.lce_chunk_mib:
             from foak.ops import linear_cross_entropy as lce
+            from foak.patching import replacements
 
             lce.TUNING["chunk_bytes"] = args.lce_chunk_mib * 2**20
+            replacements.FUSED_LOSS_CHUNK_BYTES = args.lce_chunk_mib * 2**20  # what the patched model uses
         result = run_one(*args.one, checkpointing=args.checkpointing, packed=args.packed, device=args.device,
                          profile=args.profile, autocast=args.autocast)
         print("RESULT " + json.dumps(result), flush=True)

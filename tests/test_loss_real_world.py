@@ -355,3 +355,34 @@ def test_precompute_row_grad_uniform_and_non_uniform_incoming_gradients(monkeypa
     assert len(calls) == 3  # the broken promise is detected and the gradient recomputed exactly
     for a, b in zip(got, ref):
         assert relative_error(a, b) < 1e-6
+
+
+def test_under_autocast_projections_share_one_cast_of_the_block_input():
+    """fp32 weights + autocast: HF's q, k, v (and gate, up) each cast and save their own bf16 copy of the
+    norm output; the patched attention and MLP save one copy each (foak.patching.autocast)."""
+    import foak
+    from foak.models.tiny import tiny_model
+
+    def saved_input_copies(patched):
+        model = tiny_model("llama")
+        if patched:
+            foak.patch(model, fast_rms_layernorm=True, fast_rope_embeddings=True, fast_swiglu=True,
+                       fused_linear_loss=True)
+        ids = torch.randint(0, 301, (2, 23), generator=torch.Generator().manual_seed(2))
+        copies = set()
+
+        def pack(t):
+            if t.dtype == torch.bfloat16 and t.numel() == 2 * 23 * 64 and t.shape[-1] == 64:
+                copies.add(t.untyped_storage().data_ptr())
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        return len(copies)
+
+    # per layer HF keeps 5 copies of the norm outputs (q, k, v, gate, up) + o_proj's input; the final norm's
+    # copy for lm_head: 2 * 6 + 1. foak: 2 per layer + o_proj's input; the fused loss keeps none.
+    assert saved_input_copies(False) == 13
+    assert saved_input_copies(True) == 6

@@ -152,7 +152,8 @@ def _grads_out(grads, hidden, weight):
     dh, dw, db = grads
     if dw is not None and dw.dtype != weight.dtype:
         dw = dw.to(weight.dtype)
-    return tuple(g if g is not None else hidden.new_empty(0) for g in (dh, dw, db))
+    return (dh if dh is not None else hidden.new_empty(0), dw if dw is not None else weight.new_empty(0),
+            db if db is not None else weight.new_empty(0, dtype=torch.float32))
 
 
 # 4. custom ops and autograd -----------------------------------------------------------------------

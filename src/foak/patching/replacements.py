@@ -22,6 +22,7 @@ from foak.ops._recompute import recomputing_outputs
 from foak.ops.linear_cross_entropy import linear_cross_entropy
 from foak.ops.rms_norm import rms_norm
 from foak.ops.rope import rope
+from foak.patching.autocast import cast_first_argument, cast_for_projections
 from foak.patching.rules import Rule, Trigger
 
 # ---- RMSNorm ---------------------------------------------------------------------------------------
@@ -107,6 +108,7 @@ def glu_mlp_rule(arch: str, mlp_class: type) -> Rule:
 
         def forward(x):
             down = module.down_proj
+            x = cast_for_projections(x)  # under autocast over fp32 weights: one cast for gate and up
             g, u = module.gate_proj(x), module.up_proj(x)
             if _plain_linear(down):  # the product is recomputed in the backward instead of kept
                 return glu_linear(g, u, down.weight, down.bias, activation)
@@ -196,6 +198,8 @@ def rope_rule(arch: str, attention_class: type, function_name: str = "apply_rota
 
         @functools.wraps(original_forward)  # keeps the signature (HF Trainer inspects it)
         def forward(*args, **kwargs):
+            # under autocast over fp32 weights, q/k/v share one cast of the input (foak.patching.autocast)
+            args, kwargs = cast_first_argument(args, kwargs)
             previous = _ROPE_ACTIVE.on
             _ROPE_ACTIVE.on = True
             try:
@@ -220,6 +224,17 @@ def rope_rule(arch: str, attention_class: type, function_name: str = "apply_rota
 # adds to the step's peak. 512 MiB chunks (vs the op's 112 MiB default) measured +2.4% tokens/s on the
 # Llama-1B-dims step and +3.5% on Llama-8B-dims for +0.3-0.4 GiB peak (benchmarks/results/train_step_h200_explore.json).
 FUSED_LOSS_CHUNK_BYTES = 512 * 2**20
+# An fp32 head weight under autocast accumulates its gradient in fp32, so each chunk re-reads and re-writes
+# twice the bytes: 1 GiB chunks measured 58.1k vs 57.6k tokens/s (512 MiB) on the Llama-1B-dims autocast
+# step for +0.5 GiB peak (2 GiB: 58.4k, +1.5 GiB; benchmarks/results/train_step_h200_llama1b_autocast_c*.json).
+FUSED_LOSS_CHUNK_BYTES_FP32_ACCUMULATION = 1024 * 2**20
+
+
+def fused_loss_chunk_bytes(weight: torch.Tensor) -> int:
+    """The fused loss's logits-chunk budget for an LM head weight (see above)."""
+    if weight.dtype == torch.float32 and torch.is_autocast_enabled(weight.device.type):
+        return FUSED_LOSS_CHUNK_BYTES_FP32_ACCUMULATION
+    return FUSED_LOSS_CHUNK_BYTES
 
 
 def _causal_lm_skip_reason(model):
@@ -264,7 +279,7 @@ def fused_linear_loss_rule(arch: str, causal_lm_class: type) -> Rule:
         state.set_forward(lm_head, lm_head_forward)
         from foak.integrations.trl import serve_trl_fused_head  # TRL's own fused head skips lm_head and loss
 
-        serve_trl_fused_head(model_module, state, FUSED_LOSS_CHUNK_BYTES)
+        serve_trl_fused_head(model_module, state, fused_loss_chunk_bytes)
 
         def loss_function(logits, labels, vocab_size=None, num_items_in_batch=None, ignore_index=-100,
                           shift_labels=None, **kwargs):
@@ -277,7 +292,8 @@ def fused_linear_loss_rule(arch: str, causal_lm_class: type) -> Rule:
                 target = target.reshape(-1)
             return linear_cross_entropy(hidden, lm_head.weight, target.to(hidden.device), lm_head.bias,
                                         shift=shift, ignore_index=ignore_index,
-                                        num_items_in_batch=num_items_in_batch, chunk_bytes=FUSED_LOSS_CHUNK_BYTES)
+                                        num_items_in_batch=num_items_in_batch,
+                                        chunk_bytes=fused_loss_chunk_bytes(lm_head.weight))
 
         original_loss = model_module.loss_function
         _set_loss_function(model_module, state, loss_function)
