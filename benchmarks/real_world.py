@@ -1,6 +1,7 @@
 """The losses and a TRL training step in the setups users run, on the GPU (issue [real-world]).
 
     python3 benchmarks/real_world.py checks --out DIR     # loss features vs torch eager / fp64 on CUDA, + timings
+    python3 benchmarks/real_world.py model --out DIR      # a patched Llama: compile (Inductor), save_on_cpu, report
     python3 benchmarks/real_world.py trl --out DIR [--variants trl liger foak] [--model llama1b]
     python3 benchmarks/real_world.py trl --one llama1b foak   # one variant (what the driver runs)
     TRITON_INTERPRET=1 python3 benchmarks/real_world.py checks --device cpu --out /tmp/x   # CPU smoke
@@ -180,6 +181,88 @@ def run_checks(device: str) -> list[dict]:
     return rows
 
 
+# ---- a whole patched model: torch.compile, outer saved-tensor hooks, the report after a move --------
+def run_model_checks(device: str) -> list[dict]:
+    """A small Llama (fp32 weights) patched with every switch: compiled with Inductor (fullgraph, graph
+    breaks counted) vs eager, under save_on_cpu vs without, bf16 autocast vs unpatched; and the report's
+    backend column of a model patched on the CPU and then moved to the GPU."""
+    import transformers
+
+    import foak
+
+    rows = []
+
+    def record(name, ok, **numbers):
+        rows.append({"check": name, "ok": bool(ok), **numbers})
+        print(f"{'PASS' if ok else 'FAIL'} {name} {numbers}", flush=True)
+
+    config = transformers.LlamaConfig(hidden_size=256, intermediate_size=704, num_hidden_layers=2,
+                                      num_attention_heads=8, num_key_value_heads=4, vocab_size=4099,
+                                      max_position_embeddings=512)
+    config._attn_implementation = "sdpa"
+    switches = dict(fast_rms_layernorm=True, fast_rope_embeddings=True, fast_swiglu=True, fused_linear_loss=True)
+
+    def build(patched, move_after_patch=False):
+        torch.manual_seed(0)
+        model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+        if not move_after_patch:
+            model.to(device)
+        report = foak.patch(model, **switches) if patched else None
+        if move_after_patch:
+            model.to(device)
+        return model, report
+
+    ids = torch.randint(0, config.vocab_size, (2, 301), generator=torch.Generator().manual_seed(3)).to(device)
+
+    def step(model, fn=None, autocast=False, hooks=None):
+        fn = model if fn is None else fn
+        with torch.autocast(device, dtype=torch.bfloat16, enabled=autocast), (hooks or _nullcontext()):
+            loss = fn(input_ids=ids, labels=ids).loss
+        loss.backward()
+        return loss.detach().float(), {n: p.grad.detach().clone() for n, p in model.named_parameters()}
+
+    def worst(a, b):
+        return max(rel(a[n], b[n]) for n in b)
+
+    ref_loss, ref = step(build(False)[0])
+    model, report = build(True, move_after_patch=True)
+    backends = {r.rule_id: r.backend for r in report.results if r.modules}
+    record("report after patching on cpu and moving the model", all("triton on cuda" in b for b in backends.values())
+           or device == "cpu", backends=backends)
+    loss, grads = step(model)
+    record("eager patched vs unpatched (fp32)", abs(loss - ref_loss).item() < 1e-4 and worst(grads, ref) < 1e-3,
+           loss=loss.item(), ref_loss=ref_loss.item(), worst_grad=worst(grads, ref))
+    if device == "cuda":
+        torch._dynamo.reset()
+        torch._dynamo.utils.counters.clear()
+        model, _ = build(True)
+        compiled = torch.compile(model, fullgraph=True)
+        c_loss, c_grads = step(model, compiled)
+        breaks = sum(torch._dynamo.utils.counters["graph_break"].values())
+        record("torch.compile(fullgraph=True, inductor) of the patched model vs eager", breaks == 0 and
+               abs(c_loss - loss).item() < 1e-3 and worst(c_grads, grads) < 1e-2, graph_breaks=breaks,
+               loss=c_loss.item(), worst_grad=worst(c_grads, grads))
+    model, report = build(True)
+    h_loss, h_grads = step(model, hooks=torch.autograd.graph.save_on_cpu(pin_memory=device == "cuda"))
+    note = report.result("llama.rms_norm_recompute").notes
+    record("save_on_cpu: same gradients, recompute steps aside and says so", worst(h_grads, grads) < 1e-5
+           and "stepped aside" in note, worst_grad=worst(h_grads, grads), note=note)
+    a_ref_loss, a_ref = step(build(False)[0], autocast=True)
+    a_loss, a_grads = step(build(True)[0], autocast=True)
+    record("bf16 autocast over fp32 weights: patched vs unpatched", abs(a_loss - a_ref_loss).item() < 1e-2
+           and worst(a_grads, a_ref) < 3e-2 and all(g.dtype == torch.float32 for g in a_grads.values()),
+           loss=a_loss.item(), ref_loss=a_ref_loss.item(), worst_grad=worst(a_grads, a_ref))
+    return rows
+
+
+class _nullcontext:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
 # ---- TRL SFTTrainer step ---------------------------------------------------------------------------
 MODELS = {
     "llama1b": dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
@@ -270,7 +353,7 @@ def versions() -> dict:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("what", choices=("checks", "trl"))
+    parser.add_argument("what", choices=("checks", "model", "trl"))
     parser.add_argument("--out", default="benchmarks/results")
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--model", default="llama1b")
@@ -278,9 +361,10 @@ def main() -> int:
     parser.add_argument("--one", nargs=2, metavar=("MODEL", "VARIANT"))
     args = parser.parse_args()
     Path(args.out).mkdir(parents=True, exist_ok=True)
-    if args.what == "checks":
-        rows = run_checks(args.device)
-        (Path(args.out) / "real_world_checks_h200.json").write_text(json.dumps({**versions(), "rows": rows}, indent=1))
+    if args.what in ("checks", "model"):
+        rows = run_checks(args.device) if args.what == "checks" else run_model_checks(args.device)
+        name = "real_world_checks_h200.json" if args.what == "checks" else "real_world_model_h200.json"
+        (Path(args.out) / name).write_text(json.dumps({**versions(), "rows": rows}, indent=1))
         print(f"{sum(r['ok'] for r in rows)} of {len(rows)} checks passed")
         return 0 if all(r["ok"] for r in rows) else 1
     if args.one:

@@ -6,6 +6,7 @@ from foak.ops.cross_entropy import cross_entropy
 from foak.ops.glu_linear import glu_linear
 from foak.ops.linear_cross_entropy import linear_cross_entropy
 from foak.patching import patch, restore
+import foak.integrations.trl  # noqa: F401,E402  (registers foak's server for TRL's fused LM head)
 
 __version__ = "0.1.0"
 __all__ = [

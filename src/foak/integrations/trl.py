@@ -244,3 +244,10 @@ class _EntropyGradientFromTrl(torch.autograd.Function):
         grads = iter(torch.autograd.grad(entropy, wanted, grad_entropy))
         dh, dw, db = (next(grads) if t is not None and t.requires_grad else None for t in inputs)
         return None, dh, dw, db, None, None, None, None
+
+
+# the fused_linear_loss rule calls serve_trl_fused_head for every causal LM it patches
+from foak.patching.replacements import FUSED_HEAD_HOOKS  # noqa: E402
+
+if serve_trl_fused_head not in FUSED_HEAD_HOOKS:
+    FUSED_HEAD_HOOKS.append(serve_trl_fused_head)

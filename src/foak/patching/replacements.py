@@ -230,6 +230,12 @@ FUSED_LOSS_CHUNK_BYTES = 512 * 2**20
 FUSED_LOSS_CHUNK_BYTES_FP32_ACCUMULATION = 1024 * 2**20
 
 
+# Integrations that serve another library's fused LM head with foak's loss register here (imports point
+# down: foak.integrations.trl appends itself when foak is imported). Each is called as
+# hook(causal_lm, state, chunk_bytes_of_weight) for every causal LM the fused_linear_loss rule patches.
+FUSED_HEAD_HOOKS: list = []
+
+
 def fused_loss_chunk_bytes(weight: torch.Tensor) -> int:
     """The fused loss's logits-chunk budget for an LM head weight (see above)."""
     if weight.dtype == torch.float32 and torch.is_autocast_enabled(weight.device.type):
@@ -277,9 +283,8 @@ def fused_linear_loss_rule(arch: str, causal_lm_class: type) -> Rule:
             return hidden_states if passthrough.on else head_forward(hidden_states)
 
         state.set_forward(lm_head, lm_head_forward)
-        from foak.integrations.trl import serve_trl_fused_head  # TRL's own fused head skips lm_head and loss
-
-        serve_trl_fused_head(model_module, state, fused_loss_chunk_bytes)
+        for hook in FUSED_HEAD_HOOKS:  # e.g. TRL's own fused head, which skips lm_head and the loss
+            hook(model_module, state, fused_loss_chunk_bytes)
 
         def loss_function(logits, labels, vocab_size=None, num_items_in_batch=None, ignore_index=-100,
                           shift_labels=None, **kwargs):
