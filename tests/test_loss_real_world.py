@@ -95,7 +95,8 @@ def test_cross_entropy_fp16_gradient_does_not_underflow_before_the_loss_scale():
 @pytest.mark.parametrize("reduction", ["mean", "sum"])
 def test_linear_cross_entropy_fp16_gradients_with_a_grad_scaler_factor(reduction, monkeypatch):
     monkeypatch.setitem(lce_module.TUNING, "chunk_rows", 32)
-    n, hidden_size, vocab = 97, 48, 2053
+    # mean: entries of p / N down to ~1e-9, below fp16's smallest subnormal unless the scale comes first
+    n, hidden_size, vocab = 257, 48, 20011
     scale = 32768.0 if reduction == "mean" else 8.0  # a sum's gradient is N times larger: it would overflow
     h = (torch.randn(n, hidden_size) * 0.5).half()
     w = (torch.randn(vocab, hidden_size) * 0.3).half()
@@ -116,13 +117,20 @@ def test_tiny_model_fp16_autocast_with_grad_scaler_matches_unpatched():
     import foak
     from foak.models.tiny import tiny_model
 
+    import transformers
+
+    from foak.models.tiny import tiny_config
+
     def step(patched):
-        model = tiny_model("llama")
+        torch.manual_seed(0)
+        config = tiny_config("llama")
+        config.vocab_size = 8192  # gradient entries p / N of ~1e-6 and below: fp16 underflows without the scale
+        model = transformers.AutoModelForCausalLM.from_config(config)
         if patched:
             foak.patch(model, fast_rms_layernorm=True, fast_rope_embeddings=True, fast_swiglu=True,
                        fused_linear_loss=True)
         scaler = torch.amp.GradScaler("cpu", init_scale=2.0**16)
-        ids = torch.randint(0, 301, (2, 37), generator=torch.Generator().manual_seed(5))
+        ids = torch.randint(0, 8192, (2, 37), generator=torch.Generator().manual_seed(5))
         with torch.autocast("cpu", dtype=torch.float16):
             loss = model(input_ids=ids, labels=ids).loss
         scaler.scale(loss).backward()
