@@ -391,3 +391,23 @@ def test_under_autocast_projections_share_one_cast_of_the_block_input():
     # copy for lm_head: 2 * 6 + 1. foak: 2 per layer + o_proj's input; the fused loss keeps none.
     assert saved_input_copies(False) == 13
     assert saved_input_copies(True) == 6
+
+
+def test_fused_loss_report_row_says_when_a_training_forward_brings_no_labels():
+    import foak
+
+    model = _tiny_llama(False)
+    report = foak.patch(model, fused_linear_loss=True)
+    row = report.result("llama.fused_linear_loss")
+    ids = torch.randint(0, 301, (2, 11))
+    model.train()
+    model(input_ids=ids, labels=ids).loss.backward()
+    assert "without labels" not in str(report)
+    for _ in range(2):  # e.g. HF Trainer's label smoother: logits out, the loss computed outside
+        logits = model(input_ids=ids).logits
+        F.cross_entropy(logits[:, :-1].flatten(0, 1), ids[:, 1:].flatten()).backward()
+    assert "2 training forwards without labels computed logits" in row.notes
+    assert "without labels" in str(report)
+    with torch.no_grad():
+        model(input_ids=ids)  # evaluation is not counted
+    assert "2 training forwards" in row.notes

@@ -303,10 +303,18 @@ def fused_linear_loss_rule(arch: str, causal_lm_class: type) -> Rule:
         original_loss = model_module.loss_function
         _set_loss_function(model_module, state, loss_function)
         original_forward = model_module.forward
+        result, unlabelled = state.result, [0]
 
         @functools.wraps(original_forward)  # keeps the signature (HF Trainer inspects it)
         def forward(*args, **kwargs):
             if kwargs.get("labels") is None or not torch.is_grad_enabled():
+                if torch.is_grad_enabled() and model_module.training and not torch.compiler.is_compiling():
+                    # a training forward the rule cannot act on: the caller computes the loss from the logits
+                    unlabelled[0] += 1
+                    result.note_runtime("no_labels", (
+                        f"{unlabelled[0]} training forward{'s' if unlabelled[0] > 1 else ''} without labels "
+                        "computed logits: the caller's loss ran, not foak's (e.g. a compute_loss_func or "
+                        "label smoothing)"))
                 model_module.loss_function = original_loss
                 try:
                     return original_forward(*args, **kwargs)
