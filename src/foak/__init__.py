@@ -5,6 +5,7 @@ from foak.ops import geglu, rms_norm, rope, swiglu
 from foak.ops.cross_entropy import cross_entropy
 from foak.ops.glu_linear import glu_linear
 from foak.ops.linear_cross_entropy import linear_cross_entropy
+from foak.ops.lora import lora_linear, lora_linears
 from foak.patching import patch, restore
 import foak.integrations.trl  # noqa: F401,E402  (registers foak's server for TRL's fused LM head)
 
@@ -16,6 +17,8 @@ __all__ = [
     "get_backend",
     "glu_linear",
     "linear_cross_entropy",
+    "lora_linear",
+    "lora_linears",
     "patch",
     "restore",
     "rms_norm",

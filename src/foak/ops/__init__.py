@@ -6,6 +6,7 @@ not re-exported here, so those module names keep pointing at the modules."""
 
 from foak.ops.activations import geglu, geglu_reference, glu, glu_reference, swiglu, swiglu_reference
 from foak.ops.glu_linear import glu_linear, glu_linear_reference
+from foak.ops.lora import lora_dropout_mask, lora_linear, lora_linear_reference, lora_linears
 from foak.ops.rms_norm import rms_norm, rms_norm_reference
 from foak.ops.rope import rope, rope_reference
 
@@ -16,6 +17,10 @@ __all__ = [
     "glu_linear",
     "glu_linear_reference",
     "glu_reference",
+    "lora_dropout_mask",
+    "lora_linear",
+    "lora_linear_reference",
+    "lora_linears",
     "rms_norm",
     "rms_norm_reference",
     "rope",

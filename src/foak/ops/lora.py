@@ -1,0 +1,555 @@
+"""LoRA on a frozen linear base: ``y = x W^T + b + s * dropout(x) A^T B^T``, forward and backward.
+
+The math is PEFT's ``lora.Linear.forward`` for one active adapter (peft 0.21): the base result is
+``F.linear(x, W, b)``; the adapter input is ``x`` cast to ``lora_A``'s dtype, then dropped out (inverted
+dropout: kept with probability ``1 - p``, kept values scaled by ``1 / (1 - p)``); the adapter output
+``lora_B(lora_A(.)) * s`` is added and the sum is cast back to the base result's dtype. Under autocast
+every GEMM runs in the autocast dtype, as PEFT's ``nn.Linear`` calls do, and the adapter gradients are
+cast back to the adapters' own dtype (fp32 adapters get fp32 gradients). ``s`` is PEFT's ``scaling``:
+``lora_alpha / r``, or ``lora_alpha / sqrt(r)`` with rsLoRA. The base is frozen: no gradient for W or b.
+
+What is saved for the backward: ``x`` and the small ``[tokens, r]`` product ``h = dropout(x) A^T``,
+never ``dropout(x)`` nor its mask. The mask comes from a counter-based generator (Philox-4x32-10, as
+``tl.randint4x``) keyed by a seed and by each element's position, so the backward regenerates it
+exactly. Element ``(t, j)`` of the flattened ``[tokens, in]`` input is kept iff
+``(philox(seed, t * ceil(in / 4) + j // 4)[j % 4] >> 1) >= round(p * 2**31)``: the mask depends on the
+seed and the shape only, not on block sizes or devices (:func:`lora_dropout_mask` returns it; the torch
+reference computes the same bits). ``dropout_p=0`` launches no kernel.
+
+GEMMs are cuBLAS's: the up-projection is accumulated into the base output with ``addmm_`` (alpha=s),
+and in the backward ``dx = dy W + s * mask / (1 - p) * ((dy B) A)`` is one GEMM, one GEMM and one
+elementwise kernel that also writes ``dropout(x)`` (regenerated) into the memory of ``(dy B) A``, for
+``dA = s * (dy B)^T dropout(x)``; ``dB = s * dy^T h``.
+
+:func:`lora_linears` is the shared-input form of an attention block (q, k, v projections of one x):
+x goes to one autograd op, is saved once, and each projection keeps its own mask (PEFT draws one per
+projection). Without dropout the down-projections run as one GEMM on the stacked ``[sum r, in]`` A's.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+from collections.abc import Sequence
+
+import torch
+import triton
+import triton.language as tl
+
+from foak.backend import use_triton
+from foak.ops._checks import check_float_tensor, check_same_device, rows_view
+from foak.ops._custom_op import custom_op
+
+# Launch knobs: quads of 4 columns per program (one Philox call makes the 4 randoms of a quad).
+TUNING = {"quads": 256, "warps": 4}
+SEED_HIGH = 2**62  # seeds are drawn from [0, SEED_HIGH)
+_M32 = 0xFFFFFFFF
+# Philox-4x32 constants, as triton.language.random (the reference must produce the same bits)
+_PHILOX_KEY_A, _PHILOX_KEY_B = 0x9E3779B9, 0xBB67AE85
+_PHILOX_ROUND_A, _PHILOX_ROUND_B = 0xD2511F53, 0xCD9E8D57
+_PHILOX_ROUNDS = 10
+
+
+# seeds and thresholds ---------------------------------------------------------------------------
+def lora_dropout_seed(device: torch.device | str) -> torch.Tensor:
+    """A fresh dropout seed: one int64 drawn from torch's generator of ``device`` (so
+    ``torch.manual_seed`` makes runs reproducible), kept on the device (no host sync). This is the
+    draw :func:`lora_linear` makes when called with ``seed=None`` and ``dropout_p > 0``."""
+    return torch.randint(0, SEED_HIGH, (1,), dtype=torch.int64, device=device)
+
+
+def _seed_tensor(op: str, seed, device: torch.device) -> torch.Tensor:
+    if seed is None:
+        return lora_dropout_seed(device)
+    if isinstance(seed, torch.Tensor):
+        other_device = seed.device.type != device.type or (
+            device.index is not None and seed.device.index != device.index)
+        if seed.numel() != 1 or seed.dtype not in (torch.int64, torch.int32) or other_device:
+            raise ValueError(f"{op}: seed must be an int or a one-element int64 tensor on {device}; got "
+                             f"{seed.dtype} of shape {tuple(seed.shape)} on {seed.device}")
+        return seed.reshape(1).to(torch.int64)
+    if isinstance(seed, bool) or not isinstance(seed, numbers.Integral) or not 0 <= int(seed) < 2**63:
+        raise ValueError(f"{op}: seed must be an int in [0, 2**63) or None; got {seed!r}")
+    return torch.tensor([int(seed)], dtype=torch.int64, device=device)
+
+
+def _drop_threshold(p: float) -> int:
+    """31-bit threshold: an element is kept iff its 31-bit random value is >= this."""
+    return min(round(p * 2**31), 2**31 - 1)
+
+
+# 1. reference -------------------------------------------------------------------------------------
+def _mul32(a: int, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """High and low 32 bits of ``a * b`` for a 32-bit constant ``a`` and int64 ``b`` in [0, 2**32),
+    without overflowing int64 (b split in 16-bit halves)."""
+    b_hi, b_lo = b >> 16, b & 0xFFFF
+    part_hi, part_lo = a * b_hi, a * b_lo  # < 2**48 each
+    return (part_hi + (part_lo >> 16)) >> 16, (((part_hi & 0xFFFF) << 16) + part_lo) & _M32
+
+
+def _philox_reference(seed: torch.Tensor, counter: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """Philox-4x32-10 of (counter_lo, counter_hi, 0, 0) keyed by the seed, in int64 torch arithmetic:
+    the same four 32-bit words as ``tl.randint4x(seed, counter)``."""
+    c0, c1 = counter & _M32, (counter >> 32) & _M32
+    c2 = c3 = torch.zeros_like(counter)
+    k0, k1 = seed & _M32, (seed >> 32) & _M32
+    for _ in range(_PHILOX_ROUNDS):
+        hi_b, lo_b = _mul32(_PHILOX_ROUND_B, c2)
+        hi_a, lo_a = _mul32(_PHILOX_ROUND_A, c0)
+        c0, c1, c2, c3 = hi_b ^ c1 ^ k0, lo_b, hi_a ^ c3 ^ k1, lo_a
+        k0, k1 = (k0 + _PHILOX_KEY_A) & _M32, (k1 + _PHILOX_KEY_B) & _M32
+    return c0, c1, c2, c3
+
+
+def lora_dropout_mask_reference(seed: torch.Tensor, n_rows: int, n_cols: int, p: float) -> torch.Tensor:
+    """The [n_rows, n_cols] keep mask (bool) in plain torch, bit-identical to the kernels'."""
+    seed = seed.reshape(1).to(torch.int64)
+    n_quads = triton.cdiv(n_cols, 4)
+    rows = torch.arange(n_rows, dtype=torch.int64, device=seed.device)[:, None]
+    counter = rows * n_quads + torch.arange(n_quads, dtype=torch.int64, device=seed.device)[None, :]
+    words = torch.stack(_philox_reference(seed, counter), dim=-1).reshape(n_rows, 4 * n_quads)
+    return (words[:, :n_cols] >> 1) >= _drop_threshold(p)
+
+
+def _dropout_reference(xa: torch.Tensor, seed: torch.Tensor, p: float) -> torch.Tensor:
+    keep = lora_dropout_mask_reference(seed, xa.numel() // max(xa.shape[-1], 1), xa.shape[-1], p)
+    return torch.where(keep.view(xa.shape), xa * (1.0 / (1.0 - p)), torch.zeros((), dtype=xa.dtype))
+
+
+def lora_linear_reference(x, weight, bias, lora_A, lora_B, scaling, dropout_p=0.0, seed=None):
+    """PEFT's lora.Linear forward in plain torch (autocast applies to its F.linear calls as in PEFT);
+    the dropout mask is :func:`lora_dropout_mask`'s for ``seed`` (drawn if None)."""
+    result = torch.nn.functional.linear(x, weight, bias)
+    xa = x.to(lora_A.dtype)
+    if dropout_p > 0:
+        xa = _dropout_reference(xa, _seed_tensor("lora_linear_reference", seed, x.device), dropout_p)
+    adapter = torch.nn.functional.linear(torch.nn.functional.linear(xa, lora_A), lora_B)
+    return (result + adapter * scaling).to(result.dtype)
+
+
+def lora_linears_reference(x, projections):
+    """:func:`lora_linear_reference` for each ``(weight, bias, lora_A, lora_B, scaling, dropout_p, seed)``."""
+    return tuple(lora_linear_reference(x, *proj) for proj in projections)
+
+
+# 2. kernels ---------------------------------------------------------------------------------------
+@triton.jit
+def _keep_mask(seed, row, quads, n_quads, threshold):
+    """[QUADS, 4] keep mask of row ``row``, columns ``4 * quads + (0..3)``."""
+    r0, r1, r2, r3 = tl.randint4x(seed, row * n_quads + quads)
+    lane = tl.arange(0, 4)[None, :]
+    r = tl.where(lane == 0, r0[:, None],
+                 tl.where(lane == 1, r1[:, None], tl.where(lane == 2, r2[:, None], r3[:, None])))
+    return (r >> 1).to(tl.int32, bitcast=True) >= threshold
+
+
+@triton.jit(do_not_specialize=["threshold"])
+def _dropout_forward_kernel(X, x_stride, OUT, out_stride, SEED, n_cols, n_quads, threshold, scale,
+                            QUADS: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    quads = tl.program_id(1) * QUADS + tl.arange(0, QUADS)
+    cols = quads[:, None] * 4 + tl.arange(0, 4)[None, :]
+    in_row = cols < n_cols
+    keep = _keep_mask(tl.load(SEED), row, quads, n_quads, threshold)
+    x = tl.load(X + row * x_stride + cols, mask=in_row, other=0.0).to(tl.float32)
+    tl.store(OUT + row * out_stride + cols, tl.where(keep, x * scale, 0.0).to(OUT.dtype.element_ty), mask=in_row)
+
+
+@triton.jit(do_not_specialize=["threshold"])
+def _dropout_backward_kernel(X, x_stride, DXA, DX, SEED, n_cols, n_quads, threshold, scale,
+                             STORE_XD: tl.constexpr, QUADS: tl.constexpr):
+    # DX += mask * scale * DXA; with STORE_XD, DXA is then overwritten by dropout(X) (same mask).
+    # DXA and DX are contiguous [rows, n_cols]; each element is read before it is written.
+    row = tl.program_id(0).to(tl.int64)
+    quads = tl.program_id(1) * QUADS + tl.arange(0, QUADS)
+    cols = quads[:, None] * 4 + tl.arange(0, 4)[None, :]
+    in_row = cols < n_cols
+    keep = _keep_mask(tl.load(SEED), row, quads, n_quads, threshold)
+    offs = row * n_cols + cols
+    dxa = tl.load(DXA + offs, mask=in_row, other=0.0).to(tl.float32)
+    dx = tl.load(DX + offs, mask=in_row, other=0.0).to(tl.float32)
+    tl.store(DX + offs, (dx + tl.where(keep, dxa * scale, 0.0)).to(DX.dtype.element_ty), mask=in_row)
+    if STORE_XD:
+        x = tl.load(X + row * x_stride + cols, mask=in_row, other=0.0).to(tl.float32)
+        tl.store(DXA + offs, tl.where(keep, x * scale, 0.0).to(DXA.dtype.element_ty), mask=in_row)
+
+
+# 3. launchers -------------------------------------------------------------------------------------
+def _launch_config(n_rows: int, n_cols: int):
+    n_quads = triton.cdiv(n_cols, 4)
+    quads = min(TUNING["quads"], triton.next_power_of_2(n_quads))
+    return n_quads, quads, (n_rows, triton.cdiv(n_quads, quads))
+
+
+def _dropout_forward_launch(x2d: torch.Tensor, seed: torch.Tensor, p: float, out: torch.Tensor) -> None:
+    n_rows, n_cols = x2d.shape
+    if x2d.numel() == 0:
+        return
+    n_quads, quads, grid = _launch_config(n_rows, n_cols)
+    _dropout_forward_kernel[grid](x2d, x2d.stride(0), out, out.stride(0), seed, n_cols, n_quads,
+                                  _drop_threshold(p), 1.0 / (1.0 - p), QUADS=quads, num_warps=TUNING["warps"])
+
+
+def _dropout_backward_launch(x2d, dxa, dx, seed, p: float, store_xd: bool) -> None:
+    n_rows, n_cols = x2d.shape
+    if x2d.numel() == 0:
+        return
+    n_quads, quads, grid = _launch_config(n_rows, n_cols)
+    _dropout_backward_kernel[grid](x2d, x2d.stride(0), dxa, dx, seed, n_cols, n_quads, _drop_threshold(p),
+                                   1.0 / (1.0 - p), STORE_XD=store_xd, QUADS=quads, num_warps=TUNING["warps"])
+
+
+# 4. custom ops and autograd ----------------------------------------------------------------------
+def _dropout_fake(x2d, seed, p, dtype):
+    return x2d.new_empty(x2d.shape, dtype=dtype)
+
+
+@custom_op("lora_dropout", _dropout_fake)
+def _dropout_op(x2d: torch.Tensor, seed: torch.Tensor, p: float, dtype: torch.dtype) -> torch.Tensor:
+    out = torch.empty(x2d.shape, dtype=dtype, device=x2d.device)
+    _dropout_forward_launch(x2d, seed, p, out)
+    return out
+
+
+def _dropout_backward_fake(x2d, dxa, dx, seed, p, store_xd):
+    return None
+
+
+@custom_op("lora_dropout_backward", _dropout_backward_fake, mutates_args=("dxa", "dx"))
+def _dropout_backward_op(x2d: torch.Tensor, dxa: torch.Tensor, dx: torch.Tensor, seed: torch.Tensor, p: float,
+                         store_xd: bool) -> None:
+    _dropout_backward_launch(x2d, dxa, dx, seed, p, store_xd)
+
+
+def _adapter_input(x2d, dtype, p, seed):
+    """dropout(x cast to the adapter dtype) as PEFT forms it (a fresh tensor only when p > 0 or a cast)."""
+    if p > 0:
+        return _dropout_op(x2d, seed, p, dtype)
+    return x2d if x2d.dtype == dtype else x2d.to(dtype)
+
+
+def _add_up_projection(out, h, lora_B, scaling):
+    """out + scaling * h B^T, summed in the promoted dtype as PEFT's ``result + lora(x) * scaling``."""
+    if h.dtype == out.dtype:
+        return out.addmm_(h, lora_B.t(), alpha=scaling)
+    if torch.promote_types(h.dtype, out.dtype) == h.dtype:  # e.g. a bf16 base with fp32 adapters
+        return torch.addmm(out.to(h.dtype), h, lora_B.t(), alpha=scaling).to(out.dtype)
+    return out.add_(torch.mm(h, lora_B.t()), alpha=scaling)
+
+
+def _base(x2d, weight, bias):
+    return torch.mm(x2d, weight.t()) if bias is None else torch.addmm(bias, x2d, weight.t())
+
+
+def _input_grad_base(dys, weights):
+    dx = torch.mm(dys[0], weights[0])
+    for dy, weight in zip(dys[1:], weights[1:]):
+        dx.addmm_(dy, weight)
+    return dx
+
+
+def _add_down_grad(dx, g, lora_A):
+    """dx += g A (no dropout)."""
+    if dx.dtype == lora_A.dtype:
+        dx.addmm_(g, lora_A)
+    else:
+        dx.add_(torch.mm(g, lora_A))
+
+
+class _LoRALinearFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x2d, weight, bias, lora_A, lora_B, scaling, dropout_p, seed):
+        h = torch.mm(_adapter_input(x2d, lora_A.dtype, dropout_p, seed), lora_A.t())
+        out = _add_up_projection(_base(x2d, weight, bias), h, lora_B, scaling)
+        ctx.save_for_backward(x2d, weight, lora_A, lora_B, h, seed)
+        ctx.scaling, ctx.dropout_p = scaling, dropout_p
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        x2d, weight, lora_A, lora_B, h, seed = ctx.saved_tensors
+        need_x, need_A, need_B = ctx.needs_input_grad[0], ctx.needs_input_grad[3], ctx.needs_input_grad[4]
+        with torch.autocast(dout.device.type, enabled=False):  # a backward run inside an autocast region
+            dx, dA, dB = _projection_backward(x2d, dout, weight, lora_A, lora_B, h, seed, ctx.scaling,
+                                              ctx.dropout_p, need_x, need_A, need_B)
+        return dx, None, None, dA, dB, None, None, None
+
+
+def _projection_backward(x2d, dout, weight, lora_A, lora_B, h, seed, scaling, p, need_x, need_A, need_B,
+                         dx=None):
+    """(dx, dA, dB) of one projection; with ``dx`` given, its input gradient is accumulated into it."""
+    adapter_dtype = lora_A.dtype
+    dy_a = dout if dout.dtype == adapter_dtype else dout.to(adapter_dtype)
+    dB = torch.mm(dy_a.t(), h).mul_(scaling) if need_B else None
+    dA = None
+    if need_x and dx is None:
+        dx = torch.mm(dout, weight)
+    if need_x or need_A:
+        g = torch.mm(dy_a, lora_B).mul_(scaling)  # gradient of h (scaling included)
+        xa = None
+        if p > 0:
+            if need_x:
+                dxa = torch.mm(g, lora_A)
+                _dropout_backward_op(x2d, dxa, dx, seed, p, need_A)  # dxa now holds dropout(x)
+                xa = dxa
+            elif need_A:
+                xa = _dropout_op(x2d, seed, p, adapter_dtype)
+        else:
+            if need_x:
+                _add_down_grad(dx, g, lora_A)
+            if need_A:
+                xa = x2d if x2d.dtype == adapter_dtype else x2d.to(adapter_dtype)
+        if need_A:
+            dA = torch.mm(g.t(), xa)
+    return dx, dA, dB
+
+
+class _LoRALinearsFunction(torch.autograd.Function):
+    """Several projections of one input (q, k, v): x saved once, one input gradient."""
+
+    @staticmethod
+    def forward(ctx, x2d, meta, *tensors):
+        # meta: (has_bias per projection, scalings, dropout_ps, stacked); tensors: per projection
+        # weight, bias (absent when None), lora_A, lora_B, seed (absent when p == 0)
+        projections = _unflatten(meta, tensors)
+        _, scalings, dropout_ps, stacked = meta
+        outs, hs = [], []
+        if stacked:
+            # one down-projection GEMM for all adapters (no dropout, one adapter dtype)
+            a_all = torch.cat([proj[2] for proj in projections])
+            h_all = torch.mm(_adapter_input(x2d, a_all.dtype, 0.0, None), a_all.t())
+            hs = list(torch.split(h_all, [proj[2].shape[0] for proj in projections], dim=1))
+        else:
+            for (weight, bias, lora_A, lora_B, seed), p in zip(projections, dropout_ps):
+                hs.append(torch.mm(_adapter_input(x2d, lora_A.dtype, p, seed), lora_A.t()))
+        for (weight, bias, lora_A, lora_B, seed), h, s in zip(projections, hs, scalings):
+            outs.append(_add_up_projection(_base(x2d, weight, bias), h, lora_B, s))
+        ctx.meta = meta
+        ctx.save_for_backward(x2d, *([h_all] if stacked else hs), *tensors)
+        return tuple(outs)
+
+    @staticmethod
+    def backward(ctx, *douts):
+        with torch.autocast(douts[0].device.type, enabled=False):  # a backward run inside an autocast region
+            return _LoRALinearsFunction._backward(ctx, douts)
+
+    @staticmethod
+    def _backward(ctx, douts):
+        _, scalings, dropout_ps, stacked = ctx.meta
+        n = len(scalings)
+        saved = ctx.saved_tensors
+        x2d = saved[0]
+        n_h = 1 if stacked else n
+        tensors = saved[1 + n_h:]
+        projections = _unflatten(ctx.meta, tensors)
+        need_x = ctx.needs_input_grad[0]
+        flags = _needs_per_projection(ctx.meta, ctx.needs_input_grad[2:])
+        dx = _input_grad_base(douts, [proj[0] for proj in projections]) if need_x else None
+        grads_A, grads_B = [], []
+        if stacked:
+            h_all = saved[1]
+            hs = torch.split(h_all, [proj[2].shape[0] for proj in projections], dim=1)
+            gs = []
+            for (weight, bias, lora_A, lora_B, seed), dy, h, s, (need_A, need_B) in zip(
+                    projections, douts, hs, scalings, flags):
+                dy_a = dy if dy.dtype == lora_A.dtype else dy.to(lora_A.dtype)
+                grads_B.append(torch.mm(dy_a.t(), h).mul_(s) if need_B else None)
+                gs.append(torch.mm(dy_a, lora_B).mul_(s))
+            g_all = torch.cat(gs, dim=1)
+            a_all = torch.cat([proj[2] for proj in projections])
+            if need_x:
+                _add_down_grad(dx, g_all, a_all)
+            if any(need_A for need_A, _ in flags):
+                xa = x2d if x2d.dtype == a_all.dtype else x2d.to(a_all.dtype)
+                dA_all = torch.mm(g_all.t(), xa)
+                grads_A = [dA if need_A else None for dA, (need_A, _) in
+                           zip(torch.split(dA_all, [proj[2].shape[0] for proj in projections]), flags)]
+            else:
+                grads_A = [None] * n
+        else:
+            for (weight, bias, lora_A, lora_B, seed), dy, h, s, p, (need_A, need_B) in zip(
+                    projections, douts, saved[1:1 + n], scalings, dropout_ps, flags):
+                _, dA, dB = _projection_backward(x2d, dy, weight, lora_A, lora_B, h, seed, s, p, need_x, need_A,
+                                                 need_B, dx=dx)
+                grads_A.append(dA)
+                grads_B.append(dB)
+        grads = []
+        for (weight, bias, lora_A, lora_B, seed), dA, dB in zip(projections, grads_A, grads_B):
+            grads += [None] + ([None] if bias is not None else []) + [dA, dB] + ([None] if seed is not None else [])
+        return (dx, None, *grads)
+
+
+def _unflatten(meta, tensors):
+    has_bias, _, dropout_ps, _ = meta
+    projections, i = [], 0
+    for bias_present, p in zip(has_bias, dropout_ps):
+        weight = tensors[i]
+        i += 1
+        bias = None
+        if bias_present:
+            bias = tensors[i]
+            i += 1
+        lora_A, lora_B = tensors[i], tensors[i + 1]
+        i += 2
+        seed = None
+        if p > 0:
+            seed = tensors[i]
+            i += 1
+        projections.append((weight, bias, lora_A, lora_B, seed))
+    return projections
+
+
+def _needs_per_projection(meta, needs):
+    has_bias, _, dropout_ps, _ = meta
+    flags, i = [], 0
+    for bias_present, p in zip(has_bias, dropout_ps):
+        i += 1 + int(bias_present)
+        flags.append((needs[i], needs[i + 1]))
+        i += 2 + int(p > 0)
+    return flags
+
+
+# 5. public functions ------------------------------------------------------------------------------
+def _check_number(op, name, value, low, high=None, high_open=False):
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value):
+        raise ValueError(f"{op}: {name} must be a finite real number, got {value!r}")
+    if value < low or (high is not None and (value >= high if high_open else value > high)):
+        bound = f"[{low}, {high})" if high_open else f">= {low}"
+        raise ValueError(f"{op}: {name} must be in {bound}, got {value!r}")
+    return float(value)
+
+
+def _prepare_projection(op, x, weight, bias, lora_A, lora_B, scaling, dropout_p):
+    """Validate one projection and apply autocast's casts (differentiable, outside the autograd
+    Function) as the nn.Linear calls of PEFT would. Returns the tensors in compute dtypes."""
+    for name, t in (("x", x), ("weight", weight), ("lora_A", lora_A), ("lora_B", lora_B)):
+        check_float_tensor(op, name, t)
+    if bias is not None:
+        check_float_tensor(op, "bias", bias)
+    check_same_device(op, x=x, weight=weight, bias=bias, lora_A=lora_A, lora_B=lora_B)
+    if x.dim() < 1:
+        raise ValueError(f"{op}: x must be [..., in_features], got a 0-d tensor")
+    in_features = x.shape[-1]
+    if weight.dim() != 2 or weight.shape[1] != in_features:
+        raise ValueError(f"{op}: weight must be [out_features, {in_features}] for x of shape {tuple(x.shape)}; "
+                         f"got {tuple(weight.shape)}")
+    out_features = weight.shape[0]
+    if bias is not None and tuple(bias.shape) != (out_features,):
+        raise ValueError(f"{op}: bias must be [{out_features}], got {tuple(bias.shape)}")
+    if lora_A.dim() != 2 or lora_A.shape[1] != in_features or lora_A.shape[0] < 1:
+        raise ValueError(f"{op}: lora_A must be [r, {in_features}] with r >= 1 (PEFT's lora_A.weight); "
+                         f"got {tuple(lora_A.shape)}")
+    rank = lora_A.shape[0]
+    if lora_B.dim() != 2 or tuple(lora_B.shape) != (out_features, rank):
+        raise ValueError(f"{op}: lora_B must be [{out_features}, {rank}] (PEFT's lora_B.weight) for weight "
+                         f"{tuple(weight.shape)} and lora_A {tuple(lora_A.shape)}; got {tuple(lora_B.shape)}")
+    for name, t in (("weight", weight), ("bias", bias)):
+        if t is not None and t.requires_grad:
+            raise ValueError(f"{op}: the base {name} requires grad, but the base layer is frozen in LoRA (PEFT "
+                             f"freezes it); call {name}.requires_grad_(False), or train it without LoRA")
+    if lora_A.dtype != lora_B.dtype:
+        raise ValueError(f"{op}: lora_A and lora_B must share one dtype (PEFT creates them so); got "
+                         f"{lora_A.dtype} and {lora_B.dtype}")
+    scaling = _check_number(op, "scaling", scaling, -math.inf)
+    dropout_p = _check_number(op, "dropout_p", dropout_p, 0.0, 1.0, high_open=True)
+    device_type = x.device.type
+    if torch.is_autocast_enabled(device_type):
+        dtype = torch.get_autocast_dtype(device_type)
+        if lora_A.dtype not in (torch.float32, dtype):
+            raise ValueError(f"{op}: under {dtype} autocast the adapters must be float32 or {dtype}; got "
+                             f"{lora_A.dtype} (PEFT would round x to it before autocast's cast)")
+        x, weight, lora_A, lora_B = x.to(dtype), weight.to(dtype), lora_A.to(dtype), lora_B.to(dtype)
+        bias = None if bias is None else bias.to(dtype)
+    else:
+        for name, t in (("weight", weight), ("bias", bias)):
+            if t is not None and t.dtype != x.dtype:
+                raise ValueError(f"{op}: x is {x.dtype} but the base {name} is {t.dtype}; outside autocast "
+                                 "nn.Linear needs one dtype (cast x, or run under torch.autocast)")
+    return x, weight, bias, lora_A, lora_B, scaling, dropout_p
+
+
+def lora_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, lora_A: torch.Tensor,
+                lora_B: torch.Tensor, scaling: float, dropout_p: float = 0.0, seed=None) -> torch.Tensor:
+    """``F.linear(x, weight, bias) + scaling * lora_B(lora_A(dropout(x)))`` as PEFT's ``lora.Linear``.
+
+    x [..., in], weight [out, in] and bias [out] (frozen: they must not require grad), lora_A [r, in],
+    lora_B [out, r] (PEFT's ``lora_A.weight``, ``lora_B.weight``), scaling ``lora_alpha / r`` (or
+    ``lora_alpha / sqrt(r)`` for rsLoRA). ``dropout_p`` is applied as given (pass 0 in eval mode);
+    ``seed`` (int, one-element int64 tensor, or None to draw :func:`lora_dropout_seed`) fixes the mask,
+    which :func:`lora_dropout_mask` returns. Returns [..., out] in the base result's dtype.
+    """
+    op = "lora_linear"
+    x_c, weight, bias, lora_A, lora_B, scaling, dropout_p = _prepare_projection(
+        op, x, weight, bias, lora_A, lora_B, scaling, dropout_p)
+    seed_t = _seed_tensor(op, seed, x.device) if dropout_p > 0 else None
+    if not use_triton(x.device):
+        return lora_linear_reference(x_c, weight, bias, lora_A, lora_B, scaling, dropout_p, seed_t)
+    x2d = rows_view(x_c, x_c.shape[-1])
+    with torch.autocast(x.device.type, enabled=False):
+        out = _LoRALinearFunction.apply(x2d, weight, bias, lora_A, lora_B, scaling, dropout_p, seed_t)
+    return out.view(*x.shape[:-1], weight.shape[0])
+
+
+def lora_linears(x: torch.Tensor, projections: Sequence[Sequence]) -> tuple[torch.Tensor, ...]:
+    """:func:`lora_linear` of one input for several projections (an attention block's q, k, v).
+
+    ``projections``: a sequence of ``(weight, bias, lora_A, lora_B, scaling, dropout_p, seed)``. x is
+    passed to one autograd op and saved once, with one input gradient; each projection with dropout has
+    its own mask (its own seed: None draws one per projection, in order). Without dropout (and one adapter
+    dtype) the down-projections are one GEMM on the stacked A's, forward and backward; the base GEMMs stay
+    one per projection. Returns one output per projection.
+    """
+    op = "lora_linears"
+    if not isinstance(projections, (list, tuple)) or len(projections) == 0:
+        raise ValueError(f"{op}: projections must be a non-empty list of (weight, bias, lora_A, lora_B, "
+                         "scaling, dropout_p, seed) tuples")
+    prepared = []
+    x_c = None
+    for i, proj in enumerate(projections):
+        if not isinstance(proj, (list, tuple)) or len(proj) != 7:
+            got = f"{type(proj).__name__} of length {len(proj)}" if isinstance(proj, (list, tuple)) else repr(proj)
+            raise ValueError(f"{op}: projection {i} must be (weight, bias, lora_A, lora_B, scaling, dropout_p, "
+                             f"seed); got {got}")
+        weight, bias, lora_A, lora_B, scaling, dropout_p, seed = proj
+        x_i, weight, bias, lora_A, lora_B, scaling, dropout_p = _prepare_projection(
+            f"{op}[{i}]", x, weight, bias, lora_A, lora_B, scaling, dropout_p)
+        x_c = x_i if x_c is None else x_c  # the same cast of x for every projection
+        seed_t = _seed_tensor(op, seed, x.device) if dropout_p > 0 else None
+        prepared.append((weight, bias, lora_A, lora_B, scaling, dropout_p, seed_t))
+    if not use_triton(x.device):
+        return lora_linears_reference(x_c, prepared)
+    has_bias = tuple(p[1] is not None for p in prepared)
+    scalings = tuple(p[4] for p in prepared)
+    dropout_ps = tuple(p[5] for p in prepared)
+    stacked = all(p == 0 for p in dropout_ps) and len({p[2].dtype for p in prepared}) == 1 and len(prepared) > 1
+    tensors = []
+    for weight, bias, lora_A, lora_B, _, _, seed_t in prepared:
+        tensors += [weight] + ([bias] if bias is not None else []) + [lora_A, lora_B]
+        tensors += [seed_t] if seed_t is not None else []
+    x2d = rows_view(x_c, x_c.shape[-1])
+    with torch.autocast(x.device.type, enabled=False):
+        outs = _LoRALinearsFunction.apply(x2d, (has_bias, scalings, dropout_ps, stacked), *tensors)
+    return tuple(o.view(*x.shape[:-1], p[0].shape[0]) for o, p in zip(outs, prepared))
+
+
+def lora_dropout_mask(seed, shape: Sequence[int], p: float, device: torch.device | str | None = None
+                      ) -> torch.Tensor:
+    """The keep mask (bool, ``shape``) that :func:`lora_linear` applies with ``seed`` and ``dropout_p=p``
+    to an input of ``shape`` ([..., in]); made by the kernel when Triton serves ``device``, else by the
+    torch reference (the two are bit-identical)."""
+    op = "lora_dropout_mask"
+    device = torch.device(device) if device is not None else (seed.device if isinstance(seed, torch.Tensor)
+                                                              else torch.device("cpu"))
+    p = _check_number(op, "p", p, 0.0, 1.0, high_open=True)
+    shape = tuple(int(s) for s in shape)
+    if len(shape) < 1:
+        raise ValueError(f"{op}: shape must be [..., in_features], got {shape}")
+    seed_t = _seed_tensor(op, seed, device)
+    n_cols = shape[-1]
+    n_rows = math.prod(shape[:-1])
+    if p == 0:
+        return torch.ones(shape, dtype=torch.bool, device=device)
+    if not use_triton(device):
+        return lora_dropout_mask_reference(seed_t, n_rows, n_cols, p).view(shape)
+    ones = torch.ones(n_rows, n_cols, device=device)
+    return (_dropout_op(ones, seed_t, p, torch.float32) != 0).view(shape)
