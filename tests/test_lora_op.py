@@ -455,3 +455,29 @@ def test_backward_inside_an_autocast_region_keeps_fp32():
     with torch.autocast("cpu", dtype=torch.bfloat16):
         grads = _grads(outs[0], (x_leaf, layer.lora_A["default"].weight, layer.lora_B["default"].weight), dy)
     _compare(outs[0], grads, ref_out, ref_grads, 1e-5)
+
+
+def test_torch_compile_fullgraph_with_dropout():
+    # the dropout kernels are custom ops (the backward one mutates its buffers); a tensor seed or seed=None
+    # (drawn inside the graph) does not recompile per step
+    torch._dynamo.reset()
+    _, layer = _peft_layer(37, 19, 7, bias=True)
+    weight, bias, a, b, s = _args(layer)
+    x = torch.randn(2, 6, 37, requires_grad=True)
+
+    def step(x, a, b, seed):
+        return lora_linear(x, weight, bias, a, b, s, dropout_p=0.3, seed=seed)
+
+    compiled = torch.compile(step, fullgraph=True)
+    for seed in (3, 4):
+        out = compiled(x, a, b, torch.tensor([seed]))
+        grads = torch.autograd.grad(out.square().sum(), (x, a, b))
+        ref = lora_linear_reference(x, weight, bias, a, b, s, dropout_p=0.3, seed=seed)
+        ref_grads = torch.autograd.grad(ref.square().sum(), (x, a, b))
+        assert relative_error(out, ref) < 1e-6
+        assert all(relative_error(g, r) < 1e-6 for g, r in zip(grads, ref_grads))
+    drawn = torch.compile(lambda x: lora_linear(x, weight, bias, a, b, s, dropout_p=0.3), fullgraph=True)
+    torch.manual_seed(5)
+    first = drawn(x)
+    torch.manual_seed(5)
+    assert torch.equal(drawn(x), first) and not torch.equal(drawn(x), first)

@@ -476,7 +476,8 @@ def lora_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     lora_B [out, r] (PEFT's ``lora_A.weight``, ``lora_B.weight``), scaling ``lora_alpha / r`` (or
     ``lora_alpha / sqrt(r)`` for rsLoRA). ``dropout_p`` is applied as given (pass 0 in eval mode);
     ``seed`` (int, one-element int64 tensor, or None to draw :func:`lora_dropout_seed`) fixes the mask,
-    which :func:`lora_dropout_mask` returns. Returns [..., out] in the base result's dtype.
+    which :func:`lora_dropout_mask` returns (under torch.compile pass a tensor or None: a Python int is a
+    constant of the graph). Returns [..., out] in the base result's dtype.
     """
     op = "lora_linear"
     x_c, weight, bias, lora_A, lora_B, scaling, dropout_p = _prepare_projection(
