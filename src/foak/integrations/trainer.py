@@ -25,7 +25,14 @@ class FoakCallback(TrainerCallback):
     def __init__(self, config=None, **switches):
         from foak.config import config_from_kwargs, load_config
 
-        self.config = load_config(config) if config is not None else config_from_kwargs(**switches)
+        if config is not None and switches:
+            raise ValueError("FoakCallback: pass either a config or keyword switches, not both")
+        # keyword switches are checked now and resolved against the model in on_init_end (as foak.patch does:
+        # on a PEFT model they are the peft stanza's, where fused_lora is valid)
+        self.config = load_config(config) if config is not None else None
+        self.switches = dict(switches)
+        if config is None:
+            config_from_kwargs(**{"mode": "peft", **switches})
         self.report = None
 
     def on_init_end(self, args, state, control, model=None, **kwargs):
@@ -34,6 +41,9 @@ class FoakCallback(TrainerCallback):
         if model is None:
             raise ValueError("FoakCallback: the trainer passed no model to patch")
         mixed_precision = "bf16" if args.bf16 else "fp16" if args.fp16 else "no"
-        self.report = foak.patch(model, self.config, mixed_precision=mixed_precision)
+        if self.config is not None:
+            self.report = foak.patch(model, self.config, mixed_precision=mixed_precision)
+        else:
+            self.report = foak.patch(model, mixed_precision=mixed_precision, **self.switches)
         if state.is_world_process_zero:
             print(self.report)

@@ -43,4 +43,6 @@ def rules_for(model):
             f"{', ...' if len(classes) > 12 else ''}) could be covered by adding foak/models/{model_type}.py "
             "with the rule factories of foak.patching.replacements."
         )
-    return importlib.import_module(ARCHITECTURES[model_type]).rules()
+    from foak.patching.peft import lora_linear_rule  # architecture-independent: PEFT's LoRA layers
+
+    return [*importlib.import_module(ARCHITECTURES[model_type]).rules(), lora_linear_rule(model_type)]

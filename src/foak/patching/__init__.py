@@ -9,7 +9,6 @@ from foak.patching.rules import PatchReport, Rule, RuleResult, Trigger, apply, i
 
 # config switches with no implementation yet: enabling one is an error, never a silent no-op
 NOT_IMPLEMENTED = {
-    "lora": "fused_lora (fused LoRA kernels) is not implemented yet",
     "moe": "fast_moe (fused MoE experts) is not implemented yet",
 }
 
@@ -27,6 +26,15 @@ def patch(model, config=None, *, mixed_precision: str | None = None, **switches)
 
     if config is not None and switches:
         raise ValueError("foak.patch: pass either a config or keyword switches, not both")
+    from foak.patching.peft import is_peft_model
+
+    if config is None and "mode" not in switches:
+        # keyword switches on a PEFT model are the peft stanza's (fused_lora is only valid there)
+        if is_peft_model(model):
+            switches["mode"] = "peft"
+        elif switches.get("fused_lora"):
+            raise ValueError("foak.patch: fused_lora=True needs a PEFT LoRA model (wrap the model with "
+                             "peft.get_peft_model first), or drop fused_lora for full fine-tuning")
     cfg = load_config(config) if config is not None else config_from_kwargs(**switches)
     enabled = cfg.enabled_rules()
     if mixed_precision is not None:

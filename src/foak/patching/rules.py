@@ -47,13 +47,16 @@ class Rule:
     foak.config: rms_norm, rope, swiglu, loss, fused_linear_loss). ``patch(module, model, state)`` returns
     the new forward of ``module``. ``skip_reason(model)`` may explain why the rule does not apply to this
     model (reported, never silent). ``state.result`` is the rule's report row while ``patch`` runs: a
-    replacement that keeps it can report what happens at call time with ``note_runtime``."""
+    replacement that keeps it can report what happens at call time with ``note_runtime``.
+    ``describe(model)`` may add a patch-time note to the row once matching is done (e.g. which modules of
+    the model the trigger left out, and why)."""
 
     id: str
     switch: str
     trigger: Trigger
     patch: Callable[[nn.Module, nn.Module, PatchState], Callable]
     skip_reason: Callable[[nn.Module], str | None] | None = None
+    describe: Callable[[nn.Module], str | None] | None = None
 
 
 class RuleResult:
@@ -187,6 +190,9 @@ def apply(model: nn.Module, rules: list[Rule], model_type: str = "", _report: Pa
             if not result.modules:
                 result._backend = "-"
                 result.note = f"matched nothing (no {rule.trigger.module_class.__name__} module)"
+            extra = rule.describe(model) if rule.describe else None
+            if extra:
+                result.note = f"{result.note}; {extra}" if result.note else extra
             report.results.append(result)
     except BaseException:
         _undo(state)

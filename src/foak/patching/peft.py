@@ -1,0 +1,188 @@
+"""Rules for PEFT models: the one module of foak that knows PEFT's classes (peft is imported only if the
+process already imported it: a model can only hold PEFT layers then).
+
+``fused_lora``: every ``peft.tuners.lora.Linear`` over a plain ``nn.Linear`` base gets a forward that
+decides per call. When PEFT's own forward would compute exactly ``base(x) + s * B(A(dropout(x)))`` for one
+adapter, foak's ``lora_linear`` computes it (the dropout mask is foak's, drawn from torch's generator, not
+PEFT's ``nn.Dropout`` mask). Anything else takes PEFT's own forward, unchanged: adapters disabled, a merged
+adapter, no or several active adapters, DoRA or another LoRA variant, ``lora_bias``, extra arguments
+(``adapter_names``...), a dropout module other than ``nn.Dropout`` / ``nn.Identity``, hooks on the
+sub-layers, a trainable base weight, dtypes foak's op does not take. The rule's report row counts the
+fused and the fallen-back calls, with the reasons. Parameters, buffers and state_dict are untouched.
+LoRA layers over other bases (bitsandbytes ``Linear4bit``...) are left to PEFT and named in the report.
+"""
+
+from __future__ import annotations
+
+import functools
+import sys
+import weakref
+
+import torch
+from torch import nn
+
+from foak.ops.lora import lora_linear
+from foak.patching.replacements import _plain_linear
+from foak.patching.rules import Rule, Trigger
+
+
+def _lora_layer_module():
+    """peft.tuners.lora.layer if peft was imported (None otherwise: no model can hold PEFT layers)."""
+    return sys.modules.get("peft.tuners.lora.layer")
+
+
+def is_peft_model(model: nn.Module) -> bool:
+    """A PeftModel, or a model holding PEFT tuner layers (peft.inject_adapter_in_model)."""
+    peft = sys.modules.get("peft")
+    tuners = sys.modules.get("peft.tuners.tuners_utils")
+    if peft is None or tuners is None:
+        return False
+    if isinstance(model, peft.PeftModel):
+        return True
+    return any(isinstance(m, tuners.BaseTunerLayer) for m in model.modules())
+
+
+def _fusable_layer(module: nn.Module) -> bool:
+    layer = _lora_layer_module()
+    return layer is not None and type(module) is layer.Linear and type(module.base_layer) is nn.Linear
+
+
+def _no_hooks(module: nn.Module) -> bool:
+    return ("forward" not in module.__dict__ and not module._forward_hooks and not module._forward_pre_hooks
+            and not nn.modules.module._global_forward_hooks and not nn.modules.module._global_forward_pre_hooks)
+
+
+def _describe(model: nn.Module) -> str | None:
+    """Which LoRA layers the rule leaves to PEFT at patch time, and why."""
+    layer = _lora_layer_module()
+    if layer is None:
+        return None
+    others: dict[str, int] = {}
+    for m in model.modules():
+        if isinstance(m, layer.LoraLayer) and not _fusable_layer(m):
+            if type(m) is layer.Linear:
+                kind = f"lora.Linear over {type(m.base_layer).__name__}"
+            else:
+                kind = type(m).__name__
+            others[kind] = others.get(kind, 0) + 1
+    if others:
+        listed = ", ".join(f"{n} {kind}" for kind, n in sorted(others.items()))
+        return f"left to PEFT: {listed} (no fused kernel for this base yet)"
+    if not any(isinstance(m, layer.LoraLayer) for m in model.modules()):
+        return "the model has no PEFT LoRA layers (wrap it with peft.get_peft_model first)"
+    return None
+
+
+class _Counts:
+    """Fused and fallen-back calls of one rule on one model, shown in its report row."""
+
+    def __init__(self, row):
+        self.row, self.fused, self.peft = row, 0, {}
+
+    def count(self, reason: str | None) -> None:
+        if torch.compiler.is_compiling():
+            return
+        if reason is None:
+            self.fused += 1
+        else:
+            self.peft[reason] = self.peft.get(reason, 0) + 1
+        text = f"fused {self.fused} call{'s' if self.fused != 1 else ''}"
+        if self.peft:
+            total = sum(self.peft.values())
+            reasons = ", ".join(f"{why} ({n})" for why, n in sorted(self.peft.items()))
+            text += f"; PEFT's path {total} call{'s' if total != 1 else ''}: {reasons}"
+        self.row.note_runtime("calls", text)
+
+
+# the counts live as long as the report (which survives a re-patch after a deepcopy)
+_COUNTS: dict[tuple[int, str], _Counts] = {}
+
+
+def _counts_of(state, rule_id: str) -> _Counts:
+    key = (id(state.report), rule_id)
+    counts = _COUNTS.get(key)
+    if counts is None:
+        counts = _COUNTS[key] = _Counts(state.result)
+        weakref.finalize(state.report, _COUNTS.pop, key, None)
+    counts.row = state.result  # the current row of that report
+    return counts
+
+
+def _fallback_reason(module, x, args, kwargs) -> str | None:
+    """Why PEFT's own forward must run for this call (None: foak's lora_linear computes it exactly)."""
+    if module.disable_adapters:
+        return "adapters disabled"
+    if module.merged:
+        return "merged adapter"
+    if "adapter_names" in kwargs:
+        return "adapter_names"
+    if args or kwargs:
+        return "extra arguments"
+    active = [a for a in module.active_adapters if a in module.lora_A]
+    if len(active) != 1:
+        return f"{len(active)} active adapters"
+    (name,) = active
+    if getattr(module, "use_dora", {}).get(name, False):
+        return "DoRA"
+    if name in getattr(module, "lora_variant", {}):
+        return f"LoRA variant {type(module.lora_variant[name]).__name__}"
+    lora_A, lora_B, dropout = module.lora_A[name], module.lora_B[name], module.lora_dropout[name]
+    if getattr(module, "lora_bias", {}).get(name, False) or lora_B.bias is not None or lora_A.bias is not None:
+        return "lora_bias"
+    if type(dropout) not in (nn.Identity, nn.Dropout):
+        return f"dropout module {type(dropout).__name__}"
+    base = module.base_layer
+    if not (_plain_linear(base) and _plain_linear(lora_A) and _plain_linear(lora_B) and _no_hooks(dropout)):
+        return "hooks or non-plain sub-layers"
+    if not isinstance(x, torch.Tensor) or not x.is_floating_point():
+        return "non-float input"
+    weight = base.weight
+    if weight.requires_grad or (base.bias is not None and base.bias.requires_grad):
+        return "trainable base layer"
+    adapter_dtype = lora_A.weight.dtype
+    if lora_B.weight.dtype != adapter_dtype:
+        return "mixed adapter dtypes"
+    device_type = x.device.type
+    if torch.is_autocast_enabled(device_type):
+        if adapter_dtype not in (torch.float32, torch.get_autocast_dtype(device_type)):
+            return f"{adapter_dtype} adapters under autocast"
+    elif weight.dtype != x.dtype or (base.bias is not None and base.bias.dtype != x.dtype):
+        return "input and base weight dtypes differ"
+    if x.dtype != adapter_dtype and not getattr(module, "cast_input_dtype_enabled", True):
+        return "input dtype casting disabled"
+    return None
+
+
+def lora_linear_rule(arch: str) -> Rule:
+    """fused_lora: PEFT ``lora.Linear`` layers over a plain ``nn.Linear`` run foak's ``lora_linear`` when
+    that computes exactly what PEFT would (decided per call; see the module docstring)."""
+    rule_id = f"{arch}.fused_lora"
+
+    def skip_reason(model):
+        if _lora_layer_module() is None:
+            return "peft is not imported: the model has no PEFT LoRA layers"
+        return None
+
+    def patch(module, model, state):
+        original_forward = module.forward
+        counts = _counts_of(state, rule_id)
+
+        @functools.wraps(original_forward)
+        def forward(x, *args, **kwargs):
+            reason = _fallback_reason(module, x, args, kwargs)
+            counts.count(reason)
+            if reason is not None:
+                return original_forward(x, *args, **kwargs)
+            (name,) = [a for a in module.active_adapters if a in module.lora_A]
+            dropout = module.lora_dropout[name]
+            p = float(dropout.p) if isinstance(dropout, nn.Dropout) and dropout.training else 0.0
+            base = module.base_layer
+            return lora_linear(x, base.weight, base.bias, module.lora_A[name].weight, module.lora_B[name].weight,
+                               module.scaling[name], dropout_p=p)
+
+        return forward
+
+    layer = _lora_layer_module()
+    module_class = layer.Linear if layer is not None else nn.Linear
+    trigger = Trigger(module_class, predicate=lambda m, model: _fusable_layer(m))
+    return Rule(rule_id, "lora", trigger, patch, skip_reason, _describe)

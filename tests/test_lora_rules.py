@@ -1,0 +1,359 @@
+"""The fused_lora rule (foak.patching.peft) on a peft.get_peft_model-wrapped tiny Llama, against the same
+PEFT model unpatched: loss and every adapter gradient (fp32: 1e-5 relative; bf16 autocast: 2e-2), the
+report row's fused / PEFT-path call counts, PEFT's own path for what the fused op does not compute
+(merged, disabled, several adapters, DoRA, adapter_names), and restore."""
+
+from __future__ import annotations
+
+import copy
+import re
+
+import pytest
+import torch
+from peft import LoraConfig, get_peft_model
+from peft.tuners.lora import layer as lora_layer
+
+import foak
+from foak.models.tiny import tiny_model
+from foak.testing import relative_error
+
+TOL = 1e-5
+BF16_TOL = 2e-2
+ATTENTION = ["q_proj", "k_proj", "v_proj", "o_proj"]
+MLP = ["gate_proj", "up_proj", "down_proj"]
+LAYERS = 2  # tiny_model("llama")
+OTHER_SWITCHES = dict(fast_rms_layernorm=True, fast_rope_embeddings=True, fast_swiglu=True, fused_linear_loss=True)
+
+
+def lora_config(targets=ATTENTION + MLP, **kwargs) -> LoraConfig:
+    return LoraConfig(**{"r": 7, "lora_alpha": 14, "target_modules": list(targets), "init_lora_weights": False,
+                         **kwargs})
+
+
+def peft_llama(targets=ATTENTION + MLP, **kwargs):
+    return get_peft_model(tiny_model("llama"), lora_config(targets, **kwargs))
+
+
+_PATCHED = []
+
+
+def patched_pair(ref, **switches):
+    """(unpatched ref, patched deep copy, report)."""
+    model = copy.deepcopy(ref)
+    _PATCHED.append(model)
+    report = foak.patch(model, **switches)
+    return model, report
+
+
+@pytest.fixture(autouse=True)
+def _restore_patched_models():
+    yield
+    while _PATCHED:
+        foak.restore(_PATCHED.pop())
+
+
+def batch(seq: int = 9) -> dict:
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(3, 301, (2, seq), generator=g)
+    mask = torch.ones_like(ids)
+    mask[1, :3] = 0
+    return {"input_ids": ids, "attention_mask": mask, "labels": ids.masked_fill(mask == 0, -100)}
+
+
+def loss_and_grads(model, data=None):
+    model.zero_grad(set_to_none=True)
+    loss = model(**(data or batch())).loss
+    loss.backward()
+    grads = {n: p.grad for n, p in model.named_parameters() if p.requires_grad}
+    return loss.detach(), grads
+
+
+def assert_close(out, ref, what, tol=TOL):
+    err = relative_error(out, ref)
+    assert err <= tol, f"{what}: relative error {err:.3g} > {tol}"
+
+
+def assert_same_training(model, ref, tol=TOL, data=None):
+    loss, grads = loss_and_grads(model, data)
+    ref_loss, ref_grads = loss_and_grads(ref, data)
+    assert_close(loss, ref_loss, "loss", tol)
+    assert grads.keys() == ref_grads.keys() and grads
+    for name, g in grads.items():
+        assert g is not None and ref_grads[name] is not None, name
+        assert_close(g, ref_grads[name], f"grad of {name}", tol)
+    return len(grads)
+
+
+def calls(report) -> tuple[int, dict[str, int]]:
+    """(fused calls, {reason: PEFT-path calls}) read from the fused_lora row's notes."""
+    notes = report.result("llama.fused_lora").notes
+    fused = re.search(r"fused (\d+) calls?", notes)
+    peft_path = {}
+    tail = re.search(r"PEFT's path \d+ calls?: (.*)$", notes)
+    if tail:
+        for why, n in re.findall(r"([^,]+?) \((\d+)\)", tail.group(1)):
+            peft_path[why.strip()] = int(n)
+    return (int(fused.group(1)) if fused else 0), peft_path
+
+
+# ---- the fused path ---------------------------------------------------------------------------------
+
+
+def test_fused_lora_with_every_switch_matches_peft():
+    ref = peft_llama()
+    model, report = patched_pair(ref, fused_lora=True, **OTHER_SWITCHES)
+    row = report.result("llama.fused_lora")
+    assert row.modules == LAYERS * 7 and row.switch == "lora", str(report)
+    for rule in ("rms_norm", "rope", "swiglu", "fused_linear_loss"):
+        assert report.result(f"llama.{rule}").modules > 0, str(report)
+    n = assert_same_training(model, ref)
+    assert n == LAYERS * 7 * 2  # every lora_A and lora_B weight compared
+    assert calls(report) == (LAYERS * 7, {}), row.notes
+    print(report)
+
+
+@pytest.mark.parametrize("targets", [ATTENTION, MLP], ids=["attention_only", "mlp_only"])
+def test_lora_on_attention_only_and_on_mlp_only(targets):
+    ref = peft_llama(targets)
+    model, report = patched_pair(ref, fused_lora=True, **OTHER_SWITCHES)
+    assert report.result("llama.fused_lora").modules == LAYERS * len(targets)
+    assert_same_training(model, ref)
+    assert calls(report) == (LAYERS * len(targets), {})
+
+
+def test_fast_swiglu_and_fused_lora_compose_on_one_mlp(monkeypatch):
+    """The swiglu rule's MLP forward calls gate/up/down_proj, which are the LoRA layers' fused forwards:
+    both rules act on the same MLP, neither replaces the other."""
+    ref = peft_llama(MLP)
+    model, report = patched_pair(ref, fused_lora=True, fast_swiglu=True)
+    assert report.result("llama.swiglu").modules == LAYERS
+    seen = []
+    real_glu = foak.patching.replacements.glu
+
+    def counted_glu(*args, **kwargs):
+        seen.append("glu")
+        return real_glu(*args, **kwargs)
+
+    monkeypatch.setattr(foak.patching.replacements, "glu", counted_glu)
+    assert_same_training(model, ref)
+    assert seen == ["glu"] * LAYERS  # the fused gated kernel ran (down_proj is a LoRA layer: no glu_linear)
+    assert calls(report) == (LAYERS * 3, {})
+
+
+def test_dropout_uses_the_modules_p_in_training_and_none_in_eval(monkeypatch):
+    from foak.patching import peft as peft_rules
+
+    ref = peft_llama(lora_dropout=0.1)
+    model, report = patched_pair(ref, fused_lora=True)
+    ps = []
+    real = peft_rules.lora_linear
+
+    def recording(*args, dropout_p=0.0, **kwargs):
+        ps.append(dropout_p)
+        return real(*args, dropout_p=dropout_p, **kwargs)
+
+    monkeypatch.setattr(peft_rules, "lora_linear", recording)
+    model.eval(), ref.eval()  # PEFT's nn.Dropout is the identity: the two runs are the same math
+    assert_same_training(model, ref)
+    assert ps == [0.0] * (LAYERS * 7)
+    model.train()
+    ps.clear()
+    torch.manual_seed(3)
+    loss_a, grads_a = loss_and_grads(model)
+    assert ps == [pytest.approx(0.1)] * (LAYERS * 7)
+    model.eval()
+    loss_eval, _ = loss_and_grads(model)
+    assert torch.isfinite(loss_a) and loss_a != loss_eval  # masks were applied
+    torch.manual_seed(3)
+    model.train()
+    loss_b, _ = loss_and_grads(model)
+    assert loss_b == loss_a  # the masks come from torch's generator: reproducible under manual_seed
+    assert calls(report)[0] == LAYERS * 7 * 4
+
+
+def test_fp32_adapters_under_bf16_autocast():
+    """HF Trainer(bf16=True) + PEFT: fp32 model and adapters, CPU bf16 autocast. Measured on this model:
+    the loss agrees with PEFT's autocast run to ~3e-5; the adapter gradients of PEFT's own autocast run are
+    1.5-3.6% (relative) from the fp32 run, foak's 1.5-6.5% per tensor (bf16 noise: one rounding more or
+    less per op; with fused_lora alone at most 1.9x PEFT's error), 2.5% vs PEFT's 1.8% over all of them.
+    Asked: the loss within 1e-3, every gradient within 2.5x PEFT's own error vs fp32 and all of them
+    together within 1.5x (as tests/test_lora_op.py asks of one layer: 2x)."""
+    ref = peft_llama()
+    model, report = patched_pair(ref, fused_lora=True, **OTHER_SWITCHES)
+    loss_32, grads_32 = loss_and_grads(ref)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        loss, grads = loss_and_grads(model)
+        ref_loss, ref_grads = loss_and_grads(ref)
+    assert_close(loss, ref_loss, "loss under autocast", 1e-3)
+    for name, g in grads.items():
+        assert g.dtype == torch.float32, name
+        err, peft_err = relative_error(g, grads_32[name]), relative_error(ref_grads[name], grads_32[name])
+        assert err <= BF16_TOL * 3.5 and err <= 2.5 * peft_err, (name, err, peft_err)
+    flat = lambda d: torch.cat([d[n].flatten() for n in grads])
+    err, peft_err = relative_error(flat(grads), flat(grads_32)), relative_error(flat(ref_grads), flat(grads_32))
+    assert err <= 1.5 * peft_err and relative_error(flat(grads), flat(ref_grads)) <= 1.5 * BF16_TOL, (err, peft_err)
+    assert calls(report) == (LAYERS * 7, {})
+
+
+# ---- PEFT's own path ----------------------------------------------------------------------------------
+
+
+def test_merged_adapter_takes_peft_path():
+    ref = peft_llama()
+    model, report = patched_pair(ref, fused_lora=True)
+    ref.merge_adapter()
+    model.merge_adapter()
+    with torch.no_grad():
+        assert_close(model(**batch()).loss, ref(**batch()).loss, "merged loss")
+    assert calls(report) == (0, {"merged adapter": LAYERS * 7})
+    ref.unmerge_adapter()
+    model.unmerge_adapter()
+    assert_same_training(model, ref, tol=1e-4)  # merge/unmerge round trip in fp32
+    assert calls(report) == (LAYERS * 7, {"merged adapter": LAYERS * 7})
+
+
+def test_disabled_adapter_takes_peft_path():
+    ref = peft_llama()
+    model, report = patched_pair(ref, fused_lora=True)
+    with torch.no_grad(), ref.disable_adapter(), model.disable_adapter():
+        out, expected = model(**batch()).loss, ref(**batch()).loss
+    assert_close(out, expected, "loss with adapters disabled")
+    with torch.no_grad():
+        assert relative_error(model(**batch()).loss, out) > 1e-4  # the adapters do matter
+    assert calls(report) == (LAYERS * 7, {"adapters disabled": LAYERS * 7})
+
+
+def test_two_active_adapters_take_peft_path_and_a_second_adapter_alone_is_fused():
+    ref = peft_llama()
+    second = lora_config(ATTENTION, lora_alpha=5)
+    ref.add_adapter("other", second)
+    for layer in ref.modules():  # a B that is not zero, unlike default init
+        if isinstance(layer, lora_layer.Linear) and "other" in layer.lora_B:
+            torch.nn.init.normal_(layer.lora_B["other"].weight, std=0.05)
+    model, report = patched_pair(ref, fused_lora=True)
+    for m in (ref, model):
+        m.base_model.set_adapter(["default", "other"])
+    assert_same_training(model, ref)
+    assert calls(report) == (LAYERS * 3, {"2 active adapters": LAYERS * 4})  # MLP layers hold default only
+    for m in (ref, model):
+        m.set_adapter("other")
+    assert_same_training(model, ref)
+    assert calls(report) == (LAYERS * 3 + LAYERS * 4, {"2 active adapters": LAYERS * 4,
+                                                        "0 active adapters": LAYERS * 3})
+
+
+def test_dora_takes_peft_path():
+    ref = peft_llama(use_dora=True)
+    model, report = patched_pair(ref, fused_lora=True, **OTHER_SWITCHES)
+    assert_same_training(model, ref)
+    assert calls(report) == (0, {"DoRA": LAYERS * 7})
+
+
+def test_adapter_names_take_peft_path():
+    ref = peft_llama()
+    model, report = patched_pair(ref, fused_lora=True)
+    ref.eval(), model.eval()
+    data = {k: v for k, v in batch().items() if k != "labels"}
+    with torch.no_grad():
+        out = model(**data, adapter_names=["default", "__base__"]).logits
+        expected = ref(**data, adapter_names=["default", "__base__"]).logits
+    assert_close(out, expected, "logits with adapter_names")
+    assert calls(report) == (0, {"adapter_names": LAYERS * 7})
+
+
+# ---- patching, config, restore ------------------------------------------------------------------------
+
+
+def test_restore_gives_back_peft_forwards_and_state_dict_is_untouched():
+    ref = peft_llama()
+    model = copy.deepcopy(ref)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    foak.patch(model, fused_lora=True, **OTHER_SWITCHES)
+    layers = [m for m in model.modules() if isinstance(m, lora_layer.Linear)]
+    assert len(layers) == LAYERS * 7 and all("forward" in m.__dict__ for m in layers)
+    assert model.state_dict().keys() == before.keys()
+    foak.restore(model)
+    assert not any("forward" in m.__dict__ for m in model.modules())
+    assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
+    assert_same_training(model, ref, tol=0.0)  # PEFT's and HF's own code again: bit-identical
+
+
+def test_keyword_switches_on_a_peft_model_select_the_peft_stanza():
+    # fp16 weights need mixed_precision="fp16" under PEFT, and are refused for full fine-tuning
+    model = peft_llama()
+    _PATCHED.append(model)
+    foak.patch(model, fused_lora=True, mixed_precision="fp16")
+    with pytest.raises(ValueError, match="needs a PEFT LoRA model"):
+        foak.patch(tiny_model("llama"), fused_lora=True)
+
+
+def test_fused_lora_on_a_model_without_lora_layers_says_so():
+    model = peft_llama(MLP)
+    base = copy.deepcopy(model.base_model.model)
+    for m in list(base.modules()):  # plain HF model again, peft imported
+        for name, child in list(m.named_children()):
+            if isinstance(child, lora_layer.Linear):
+                setattr(m, name, child.base_layer)
+    report = foak.patch(base, mode="peft", fused_lora=True)
+    _PATCHED.append(base)
+    row = report.result("llama.fused_lora")
+    assert row.modules == 0 and "no PEFT LoRA layers" in row.notes, row.notes
+
+
+def test_deepcopy_of_a_patched_peft_model_is_patched_on_its_own():
+    ref = peft_llama(ATTENTION)
+    model, report = patched_pair(ref, fused_lora=True)
+    clone = copy.deepcopy(model)
+    _PATCHED.append(clone)
+    assert_same_training(model, ref)
+    assert calls(report) == (LAYERS * 4, {})  # the original's live report kept its row
+    assert_same_training(clone, ref)
+    assert calls(report) == (LAYERS * 4, {})  # the clone counts in its own report
+    assert calls(foak.patch(clone, fused_lora=True)) == (LAYERS * 4, {})
+
+
+def test_foak_callback_keyword_switches_on_a_peft_model():
+    from types import SimpleNamespace
+
+    from foak.integrations import FoakCallback
+
+    with pytest.raises(ValueError, match="fast_loss and fused_linear_loss"):  # checked when it is built
+        FoakCallback(fused_lora=True, fast_loss=True, fused_linear_loss=True)
+    ref = peft_llama(MLP)
+    model = copy.deepcopy(ref)
+    _PATCHED.append(model)
+    callback = FoakCallback(fused_lora=True, fast_swiglu=True)
+    callback.on_init_end(SimpleNamespace(bf16=False, fp16=False), SimpleNamespace(is_world_process_zero=False),
+                         None, model=model)
+    assert callback.report.result("llama.fused_lora").modules == LAYERS * 3
+    assert_same_training(model, ref)
+    assert calls(callback.report) == (LAYERS * 3, {})
+
+
+def test_dropout_masks_survive_gradient_checkpointing():
+    """The fused op draws its dropout seed from torch's generator, whose state checkpointing restores for
+    the recomputation: the recomputed forward uses the masks of the first one."""
+    ref = peft_llama(lora_dropout=0.1)
+    plain, _ = patched_pair(ref, fused_lora=True)
+    checkpointed, report = patched_pair(ref, fused_lora=True)
+    checkpointed.base_model.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    checkpointed.enable_input_require_grads()
+    plain.train(), checkpointed.train()
+    torch.manual_seed(11)
+    loss, grads = loss_and_grads(plain)
+    torch.manual_seed(11)
+    loss_ckpt, grads_ckpt = loss_and_grads(checkpointed)
+    assert_close(loss_ckpt, loss, "loss with checkpointing")
+    for name, g in grads.items():
+        assert_close(grads_ckpt[name], g, f"grad of {name} with checkpointing")
+    assert calls(report) == (LAYERS * 7 * 2, {})  # forward and recomputation
+
+
+def test_lora_layers_on_other_bases_are_left_to_peft_and_named():
+    # an Embedding LoRA layer stands in for bitsandbytes' Linear4bit (not available on CPU): not a lora.Linear
+    ref = peft_llama(["q_proj", "embed_tokens"])
+    model, report = patched_pair(ref, fused_lora=True)
+    row = report.result("llama.fused_lora")
+    assert row.modules == LAYERS and "left to PEFT: 1 Embedding (no fused kernel for this base yet)" in row.note
+    assert_same_training(model, ref)
+    assert calls(report) == (LAYERS, {})
