@@ -7,6 +7,8 @@ its own process so that peak memory is clean. Models are built from configs with
                                      [--tag T]
     -> DIR/train_step_h200_<models>[_checkpointing][_packed][_autocast][_T].json
     --autocast: fp32 weights, forward under bf16 autocast (HF Trainer's bf16=True on an fp32 model)
+    --lora: PEFT LoRA r16 alpha16 on q,k,v,o,gate,up,down (fp32 adapters on the bf16 base, bf16 autocast);
+            the foak variant adds fused_lora
     python3 benchmarks/train_step.py --one llama1b foak      # a single variant (what the driver runs)
     python3 benchmarks/train_step.py --models tiny --variants hf foak --device cpu --out /tmp/x  # smoke
 """
@@ -105,7 +107,7 @@ def profile_steps(step, batches, n_steps: int) -> dict:
 
 
 def run_one(model_name: str, variant: str, checkpointing: bool = False, packed: bool = False,
-            device: str = "cuda", profile: bool = False, autocast: bool = False) -> dict:
+            device: str = "cuda", profile: bool = False, autocast: bool = False, lora: bool = False) -> dict:
     import transformers
 
     class_name, dims, batch, seq = MODELS[model_name]
@@ -118,6 +120,13 @@ def run_one(model_name: str, variant: str, checkpointing: bool = False, packed: 
     model.config.use_cache = False
     if checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    if lora:  # adapters in fp32 (PEFT's autocast_adapter_dtype), base frozen in bf16, forward under autocast
+        import peft
+
+        model = peft.get_peft_model(model, peft.LoraConfig(
+            r=16, lora_alpha=16, lora_dropout=0.0, target_modules=["q_proj", "k_proj", "v_proj", "o_proj",
+                                                                  "gate_proj", "up_proj", "down_proj"]))
+        autocast = True
     model.train()
     report = None
     if variant == "foak":
@@ -125,14 +134,16 @@ def run_one(model_name: str, variant: str, checkpointing: bool = False, packed: 
         from foak.models import rules_for
 
         switches = {r.switch for r in rules_for(model)}
+        extra = {"fused_lora": True} if lora else {}
         report = str(foak.patch(model, fast_rms_layernorm=True, fast_rope_embeddings=True,
                                 fast_swiglu="swiglu" in switches, fused_linear_loss=True,
-                                mixed_precision="bf16" if autocast else "no"))
+                                mixed_precision="bf16" if autocast else "no", **extra))
     elif variant == "liger":
         import liger_kernel.transformers as liger
 
         getattr(liger, f"apply_liger_kernel_to_{config.model_type}")(model=model)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=device == "cuda")
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-5,
+                                  fused=device == "cuda")
     gen = torch.Generator(device=device).manual_seed(1)
     if packed:
         batches = [packed_inputs(batch, seq, config.vocab_size, gen, device) for _ in range(WARMUP + TIMED)]
@@ -170,7 +181,7 @@ def run_one(model_name: str, variant: str, checkpointing: bool = False, packed: 
         except Exception as err:  # the timing above stands; say why the profile is missing
             profiled = {"error": f"{type(err).__name__}: {err}"}
     return {"model": model_name, "variant": variant, "checkpointing": checkpointing, "packed": packed,
-            "autocast": autocast, "weights": str(dtype).replace("torch.", ""),
+            "autocast": autocast, "weights": str(dtype).replace("torch.", ""), "lora": lora,
             "batch": batch, "seq": seq, "tokens_per_s": TIMED * batch * seq / seconds,
             "step_ms": seconds / TIMED * 1e3,
             "peak_gib": peak_gib, "losses": [float(x) for x in losses], "patch_report": report,
@@ -185,6 +196,7 @@ def main() -> int:
     parser.add_argument("--checkpointing", action="store_true", help="gradient checkpointing (non-reentrant)")
     parser.add_argument("--packed", action="store_true", help="rows of packed variable-length sequences")
     parser.add_argument("--autocast", action="store_true", help="fp32 weights + bf16 autocast")
+    parser.add_argument("--lora", action="store_true", help="PEFT LoRA r16 on every projection (bf16 base)")
     parser.add_argument("--device", default="cuda", help="cpu: a smoke test of the code paths (use --models tiny)")
     parser.add_argument("--lce-chunk-mib", type=int, default=0,
                         help="foak: linear_cross_entropy's chunk budget (default: its TUNING value)")
@@ -200,11 +212,11 @@ def main() -> int:
             lce.TUNING["chunk_bytes"] = args.lce_chunk_mib * 2**20
             replacements.FUSED_LOSS_CHUNK_BYTES = args.lce_chunk_mib * 2**20  # what the patched model uses
         result = run_one(*args.one, checkpointing=args.checkpointing, packed=args.packed, device=args.device,
-                         profile=args.profile, autocast=args.autocast)
+                         profile=args.profile, autocast=args.autocast, lora=args.lora)
         print("RESULT " + json.dumps(result), flush=True)
         return 0
     flags = [f for f, on in (("--checkpointing", args.checkpointing), ("--packed", args.packed),
-                             ("--autocast", args.autocast), ("--profile", args.profile)) if on]
+                             ("--autocast", args.autocast), ("--lora", args.lora), ("--profile", args.profile)) if on]
     if args.lce_chunk_mib:
         flags += ["--lce-chunk-mib", str(args.lce_chunk_mib)]
     rows = []
