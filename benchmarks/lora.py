@@ -20,6 +20,8 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from real_world import timed_ms  # noqa: E402  (CUDA-event median of fwd+bwd calls)
 
 
 def rel(a, b):
@@ -66,21 +68,6 @@ def saved_bytes(fn):
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         out = fn()
     return out, seen
-
-
-def time_ms(fn, reps, warmup=3):
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    times = []
-    for _ in range(reps):
-        start.record()
-        fn()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end))
-    return sorted(times)[len(times) // 2]
 
 
 def main() -> int:
@@ -171,7 +158,7 @@ def main() -> int:
                                                                for t in block.parameters()}
                 row[f"{name}_saved_MiB"] = sum(v for k, v in seen.items() if k not in inputs) / 2**20
                 if not small:
-                    row[f"{name}_ms"] = time_ms(fwd_bwd(run), reps=20)
+                    row[f"{name}_ms"] = timed_ms(fwd_bwd(run), reps=20)
             if not small:
                 row["speedup"] = row["peft_ms"] / row["foak_ms"]
             rows.append(row)
