@@ -140,6 +140,14 @@ def _fp32_copy(layer):
     return ref
 
 
+def _use_same_mask(layers, seed, shape, p):
+    """With dropout, every PEFT layer applies the mask foak draws from ``seed`` (nothing to do for p=0)."""
+    if p > 0:
+        keep = lora_dropout_mask(seed, shape, p)
+        for layer in layers:
+            _use_mask(layer, keep, p)
+
+
 @pytest.mark.parametrize(("p", "bias"), [(0.0, True), (0.3, False)])
 def test_bf16_within_twice_peft_error(p, bias):
     _, layer = _peft_layer(45, 23, 7, dropout=p, bias=bias, base_dtype=torch.bfloat16)
@@ -147,10 +155,7 @@ def test_bf16_within_twice_peft_error(p, bias):
     layer32 = _fp32_copy(layer)
     x = torch.randn(3, 9, 45).to(torch.bfloat16)
     seed = 99
-    if p > 0:
-        keep = lora_dropout_mask(seed, x.shape, p)
-        _use_mask(layer, keep, p)
-        _use_mask(layer32, keep, p)
+    _use_same_mask((layer, layer32), seed, x.shape, p)
     dy = torch.randn(3, 9, 23).to(torch.bfloat16)
     peft_out, peft_grads = _run(layer, x, layer, dy)
     ref_out, ref_grads = _run(layer32, x.float(), layer32, dy.float())
@@ -170,10 +175,7 @@ def test_fp32_adapters_under_cpu_autocast(x_dtype, p):
     layer32 = _fp32_copy(layer)
     x = torch.randn(2, 7, 45).to(x_dtype)
     seed = 5
-    if p > 0:
-        keep = lora_dropout_mask(seed, x.shape, p)
-        _use_mask(layer, keep, p)
-        _use_mask(layer32, keep, p)
+    _use_same_mask((layer, layer32), seed, x.shape, p)
     dy = torch.randn(2, 7, 23).to(torch.bfloat16)
     with torch.autocast("cpu", dtype=torch.bfloat16):
         peft_out, peft_grads = _run(layer, x, layer, dy)

@@ -275,15 +275,17 @@ def _scale_unless_one_kernel(X, n_elements, SCALE, BLOCK: tl.constexpr):
 
 
 # 3. launchers -------------------------------------------------------------------------------------
-def ce_launch(logits, target, *, grad=None, dloss=None, stats=None, class_weight=None, row_stats=False,
-              ignore_index=-100, label_smoothing=0.0, lse_square_scale=0.0, logits_scaling=1.0, softcap=None):
+def ce_launch(logits, target, *, grad=None, dloss=None, stats=None, class_weight=None, class_weight_sum=None,
+              row_stats=False, ignore_index=-100, label_smoothing=0.0, lse_square_scale=0.0, logits_scaling=1.0,
+              softcap=None):
     """Run the row kernel on 2-D ``logits`` (unit column stride) and 1-D ``target``.
 
     Without ``stats``: computes and returns (loss_rows, stats, z_loss_rows, accuracy_rows, entropy_rows)
     (stats = [2, rows] fp32: row max and log-sum-exp relative to it; accuracy/entropy None unless
     ``row_stats``); with ``grad`` (may be ``logits`` itself) also writes the gradient times ``dloss`` (a
     device scalar or per-row vector). With ``stats`` given (a backward): only writes the gradient.
-    ``class_weight``: fp32 [V] per-class weights or None.
+    ``class_weight``: fp32 [V] per-class weights or None; ``class_weight_sum``: its sum as a device scalar
+    (computed here when not given; a caller launching chunk after chunk passes it once).
     """
     n_rows, n_cols = logits.shape
     forward = stats is None
@@ -300,7 +302,10 @@ def ce_launch(logits, target, *, grad=None, dloss=None, stats=None, class_weight
     if not write_grad:
         grad, dloss = logits, stats  # unused
     has_weight = class_weight is not None
-    weight_sum = class_weight.sum(dtype=torch.float32) if has_weight else stats
+    if not has_weight:
+        weight_sum = stats  # unused
+    else:
+        weight_sum = class_weight.sum(dtype=torch.float32) if class_weight_sum is None else class_weight_sum
     block = min(TUNING["block"], triton.next_power_of_2(n_cols))
     if n_rows:
         _cross_entropy_kernel[(_num_programs(logits.device, n_rows),)](

@@ -105,6 +105,7 @@ def _chunked_pass(hidden, weight, bias, target, valid_rows, options, dloss, stat
           else torch.zeros(weight.shape, dtype=dw_dtype, device=weight.device)) if want_dw else None
     db = torch.zeros(weight.shape[0], **f32) if want_db else None
     write_grad = want_dh or want_dw or want_db
+    class_weight_sum = None if class_weight is None else class_weight.sum(dtype=torch.float32)  # once, not per chunk
     step = min(_rows_per_chunk(weight.shape[0], hidden.element_size(), chunk_bytes), max(n_valid, 1))
     # one set of chunk buffers, reused: a new chunk never coexists with the previous one
     logits_buf = hidden.new_empty((step, weight.shape[0]))
@@ -122,7 +123,7 @@ def _chunked_pass(hidden, weight, bias, target, valid_rows, options, dloss, stat
         d = dloss if dloss.dim() == 0 else dloss[start:end]
         out = ce_launch(logits, target.index_select(0, rows), grad=logits if write_grad else None, dloss=d,
                         stats=None if forward else stats[:, start:end].contiguous(), class_weight=class_weight,
-                        row_stats=row_stats and forward, **options)
+                        class_weight_sum=class_weight_sum, row_stats=row_stats and forward, **options)
         if forward:
             loss[start:end], stats[:, start:end], z_loss[start:end] = out[0], out[1], out[2]
             if row_stats:
