@@ -62,7 +62,8 @@ def main() -> int:
         for name, run in runs.items():
             times[name].append(cuda_median_ms(run, reps=args.reps))
     result = {"shape": [n, v], "dtype": "bfloat16", "ignored": "1/7", "max_abs_grad_difference": agree,
-              "ms_per_pass": times, "gpu": torch.cuda.get_device_name(), "torch": torch.__version__}
+              "ms_per_pass": times, "gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
+              "triton": __import__("triton").__version__}
     Path(args.out).mkdir(parents=True, exist_ok=True)
     (Path(args.out) / "ce_ab_h200.json").write_text(json.dumps(result, indent=1))
     print(f"max |grad - this tree's grad|: {agree}")

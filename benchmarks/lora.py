@@ -165,7 +165,10 @@ def main() -> int:
             print(json.dumps(row), flush=True)
     from importlib.metadata import version
 
+    import triton
+
     meta = {"gpu": torch.cuda.get_device_name() if device == "cuda" else "cpu", "torch": torch.__version__,
+            "triton": triton.__version__,
             "peft": version("peft"), "date_utc": datetime.datetime.now(datetime.timezone.utc).isoformat(
                 timespec="seconds")}
     Path(args.out).mkdir(parents=True, exist_ok=True)
