@@ -16,11 +16,16 @@ if interpreter_enabled():
     triton_interpreter_compat.install()
 
 
+# modules whose tests run torch.compile (a full garbage collection per test elsewhere cost minutes of CI)
+_COMPILING_MODULES = ("test_compile_model", "test_recompute", "test_dispatch_and_compile", "test_lora_op")
+
+
 @pytest.fixture(autouse=True)
-def _seed():
-    # finalizers of the previous tests' patched models (they release foak's RoPE global) run now, not in
-    # the middle of this test: a release during a torch.compile trace broke dynamo's guard on the global
-    gc.collect()
+def _seed(request):
+    if request.module.__name__.rsplit(".", 1)[-1] in _COMPILING_MODULES:
+        # finalizers of earlier tests' patched models (they release foak's RoPE global) run now, not in the
+        # middle of a torch.compile trace, where a release broke dynamo's guard on the global
+        gc.collect()
     torch.manual_seed(1234)
 
 
