@@ -78,9 +78,66 @@ def test_overlong_sequences_are_truncated_and_counted():
     assert dataset.truncated == 1 and len(dataset[0]["input_ids"]) == 16
 
 
-def test_lora_training_saves_an_adapter(tmp_path):
-    summary = train([*SMALL, "--max_steps", "2", "--peft", "lora", "--lora_r", "4", "--output_dir", str(tmp_path)])
+# two steps of one 12-token row: foak's LoRA op is slow in the Triton interpreter (its dropout most of all)
+TINY = ["--max_steps", "2", "--per_device_train_batch_size", "1", "--max_seq_length", "12", "--logging_steps", "1",
+        "--warmup_steps", "0", "--lora_r", "4"]
+
+
+def test_lora_default_config_runs_foaks_fused_lora_and_saves_an_adapter(tmp_path, capsys):
+    summary = train([*TINY, "--peft", "lora", "--output_dir", str(tmp_path)])
+    out = capsys.readouterr().out
     assert summary["steps"] == 2 and (tmp_path / "adapter_config.json").exists()
+    # the default for a LoRA run: the peft stanza with fused_lora and every kernel of the embedded default
+    for rule in ("rms_norm", "rope", "swiglu", "fused_linear_loss", "fused_lora"):
+        assert out.count(f"llama.{rule} ") == 2, rule  # the report is printed before and after training
+    # 7 target modules x 2 layers, one forward each per step, all on foak's op
+    assert summary["fused_lora"] == {"modules": 14, "fused": 28, "peft_path": 0, "peft_path_reasons": {},
+                                     "notes": "fused 28 calls"}
+    assert "after training:" in out and "fused 28 calls" in out.split("after training:")[1]
+    assert "fused 28 calls" in summary["patch_report"]
+    assert torch.isfinite(torch.tensor(summary["final_loss"]))
+
+
+def test_lora_dropout_still_takes_the_fused_path(tmp_path):
+    summary = train([*TINY, "--peft", "lora", "--lora_dropout", "0.1", "--target_modules", "q_proj",
+                     "--output_dir", str(tmp_path)])
+    calls = summary["fused_lora"]
+    assert (calls["modules"], calls["fused"], calls["peft_path"]) == (2, 4, 0), calls
+    assert torch.isfinite(torch.tensor(summary["final_loss"]))
+
+
+def test_mismatched_stanza_or_unknown_architecture_with_peft_is_an_error(tmp_path):
+    full = _write(tmp_path / "full.yaml", ["training:", "  fused_ops_and_kernels:", "    fast_rms_layernorm: true"])
+    with pytest.raises(ValueError, match=r"--peft lora with --acceleration_config .*full fine-tuning.*"
+                                         r"peft\.quantization\.fused_ops_and_kernels and add fused_lora: true"):
+        train([*TINY, "--peft", "lora", "--acceleration_config", str(full), "--output_dir", str(tmp_path)])
+    peft_stanza = _write(tmp_path / "peft.yaml", ["peft:", "  quantization:", "    fused_ops_and_kernels:",
+                                                  "      fused_lora: true"])
+    with pytest.raises(ValueError, match=r"has the peft\.quantization\.fused_ops_and_kernels stanza .* --peft is none"):
+        train([*TINY, "--acceleration_config", str(peft_stanza), "--output_dir", str(tmp_path)])
+    # a model foak has no rules for: the default LoRA config says how to train it without foak
+    gpt2 = transformers.GPT2LMHeadModel(transformers.GPT2Config(n_embd=16, n_layer=1, n_head=2, vocab_size=64))
+    gpt2.save_pretrained(tmp_path / "gpt2")
+    char_tokenizer().save_pretrained(tmp_path / "gpt2")
+    with pytest.raises(ValueError, match="no kernels for model_type 'gpt2'.*--acceleration_config none"):
+        train([*TINY, "--model", str(tmp_path / "gpt2"), "--peft", "lora", "--target_modules", "c_attn",
+               "--output_dir", str(tmp_path)])
+
+
+def test_qlora_nf4_quantizes_the_embedded_model_and_trains_with_the_default_config(tmp_path):
+    import bitsandbytes as bnb
+
+    from foak.train import load_model_and_tokenizer, parse_arguments
+
+    model, _, name = load_model_and_tokenizer(*parse_arguments(["--peft", "qlora-nf4", "--output_dir", str(tmp_path)]))
+    quantized = [m for m in model.modules() if isinstance(m, bnb.nn.Linear4bit)]
+    assert len(quantized) == 14 and "NF4" in name
+    assert all(m.weight.quant_state.quant_type == "nf4" and m.weight.dtype == torch.uint8 for m in quantized)
+    summary = train([*TINY, "--peft", "qlora-nf4", "--output_dir", str(tmp_path)])
+    assert summary["steps"] == 2 and torch.isfinite(torch.tensor(summary["final_loss"]))
+    assert (tmp_path / "adapter_config.json").exists()
+    # lead: tighten to fused > 0 when the Linear4bit rule lands
+    assert "llama.fused_lora" in summary["patch_report"] and summary["fused_lora"] is not None
 
 
 def _examples():

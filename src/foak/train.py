@@ -1,7 +1,18 @@
 """``foak train``: fine-tune a causal LM with HF Trainer, foak's kernels patched in by the acceleration
 config. Arguments are HF ``TrainingArguments`` names plus :class:`FoakArguments`. With no model and no
 dataset it trains the embedded default: a tiny Llama built from a config, a character tokenizer and a
-generated corpus, all made locally."""
+generated corpus, all made locally.
+
+Without ``--acceleration_config`` the kernels are chosen as follows (``--acceleration_config none``: no foak):
+
+- ``--peft lora`` / ``--peft qlora-nf4``, any model (the embedded one or ``--model``): the
+  ``peft.quantization.fused_ops_and_kernels`` stanza with ``fused_lora`` (foak's fused LoRA layers) and
+  ``fast_rms_layernorm``, ``fast_rope_embeddings``, ``fast_swiglu``, ``fused_linear_loss`` (:data:`PEFT_KERNELS`);
+- full fine-tuning (``--peft none``) of the embedded model: ``training.fused_ops_and_kernels`` with those four
+  kernels (:data:`EMBEDDED_KERNELS`); of a ``--model`` or ``--dataset`` of yours: no kernels (the baseline).
+
+The patch report is printed before training and again after it, when the ``fused_lora`` row holds the call
+counts (fused calls, calls that took PEFT's own forward and why); the summary carries them too."""
 
 from __future__ import annotations
 
@@ -27,9 +38,12 @@ DEFAULT_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj
 # TrainingArguments defaults foak sets unless the command line gives them
 TRAINER_DEFAULTS = {"output_dir": "foak-output", "report_to": "none", "save_strategy": "no",
                     "logging_steps": "5", "per_device_train_batch_size": "8"}
-# the embedded default shows every kernel foak has for its tiny Llama
-EMBEDDED_KERNELS = {"training": {"fused_ops_and_kernels": {
-    "fast_rms_layernorm": True, "fast_rope_embeddings": True, "fast_swiglu": True, "fused_linear_loss": True}}}
+# the kernels the default configs switch on (every kernel foak has for the tiny Llama)
+KERNELS = {"fast_rms_layernorm": True, "fast_rope_embeddings": True, "fast_swiglu": True, "fused_linear_loss": True}
+# full fine-tuning of the embedded default
+EMBEDDED_KERNELS = {"training": {"fused_ops_and_kernels": dict(KERNELS)}}
+# a LoRA / QLoRA run (--peft) of any model: foak's fused LoRA layers plus the same kernels
+PEFT_KERNELS = {"peft": {"quantization": {"fused_ops_and_kernels": {"fused_lora": True, **KERNELS}}}}
 EMBEDDED_DEFAULTS = {"max_steps": "60", "learning_rate": "3e-3", "warmup_steps": "5",
                      "per_device_train_batch_size": "16"}
 
@@ -41,15 +55,19 @@ class FoakArguments:
     text_field: str = field(default="text", metadata={"help": "the JSONL field holding plain text"})
     max_seq_length: int = field(default=128, metadata={"help": "longer sequences are truncated (and counted)"})
     packing: bool = field(default=False, metadata={"help": "padding-free packing with restarting position_ids"})
-    peft: str = field(default="none", metadata={"help": "none | lora | qlora-nf4"})
+    peft: str = field(default="none", metadata={
+        "help": "none | lora | qlora-nf4. Without --acceleration_config a LoRA/QLoRA run of any model (yours "
+                "too) uses foak's fused LoRA layers (fused_lora) plus the RMSNorm, RoPE, SwiGLU and fused "
+                "linear+loss kernels"})
     lora_r: int = 16
     lora_alpha: int = 16
     lora_dropout: float = 0.0
     target_modules: list[str] = field(default_factory=lambda: list(DEFAULT_TARGETS))
     acceleration_config: str | None = field(
         default=None,
-        metadata={"help": "foak YAML (see README); 'none' trains without foak. Default: every kernel for the "
-                          "embedded tiny model, none for a model of yours"},
+        metadata={"help": "foak YAML (see README); 'none' trains without foak. Default: with --peft lora or "
+                          "qlora-nf4, fused_lora and every kernel (the peft stanza) for any model; full "
+                          "fine-tuning: every kernel for the embedded tiny model, none for a model of yours"},
     )
 
 
@@ -85,6 +103,23 @@ def _mixed_precision(training_args) -> str:
     return "bf16" if training_args.bf16 else "fp16" if training_args.fp16 else "no"
 
 
+def _load_kwargs(foak_args, training_args) -> dict:
+    """from_pretrained's dtype and, for --peft qlora-nf4, the NF4 BitsAndBytesConfig."""
+    import transformers
+
+    dtype = torch.bfloat16 if training_args.bf16 else torch.float16 if training_args.fp16 else torch.float32
+    kwargs = {"dtype": dtype}
+    if foak_args.peft == "qlora-nf4":
+        try:
+            import bitsandbytes  # noqa: F401
+        except ImportError as e:
+            raise ValueError("--peft qlora-nf4 needs bitsandbytes (pip install bitsandbytes)") from e
+        kwargs["quantization_config"] = transformers.BitsAndBytesConfig(
+            load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
+            bnb_4bit_compute_dtype=dtype)
+    return kwargs
+
+
 def load_model_and_tokenizer(foak_args, training_args):
     import transformers
 
@@ -99,24 +134,26 @@ def load_model_and_tokenizer(foak_args, training_args):
             tokenizer.pad_token_id, tokenizer.bos_token_id, tokenizer.eos_token_id)
         torch.manual_seed(training_args.seed)
         model = transformers.AutoModelForCausalLM.from_config(config)
-        return model, tokenizer, "tiny Llama (2 layers, hidden 64, built from a config)"
+        name = "tiny Llama (2 layers, hidden 64, built from a config)"
+        if foak_args.peft == "qlora-nf4":
+            # from_config does not quantize: the tiny model is saved to a temporary directory and loaded back
+            # through from_pretrained with the BitsAndBytesConfig, as a --model of the user's would be
+            import tempfile
+
+            kwargs = _load_kwargs(foak_args, training_args)
+            with tempfile.TemporaryDirectory(prefix="foak-tiny-") as tmp:
+                model.save_pretrained(tmp)
+                model = transformers.AutoModelForCausalLM.from_pretrained(tmp, **kwargs)
+            model.name_or_path = model.config.name_or_path = ""  # as from_config: the temporary directory is gone
+            name = "tiny Llama (2 layers, hidden 64, built from a config, NF4-quantized by bitsandbytes)"
+        return model, tokenizer, name
     path = Path(foak_args.model)
     if not path.exists():
         raise ValueError(f"--model {foak_args.model}: no such local path (foak train does not download models)")
     tokenizer = transformers.AutoTokenizer.from_pretrained(path)
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
-    dtype = torch.bfloat16 if training_args.bf16 else torch.float16 if training_args.fp16 else torch.float32
-    kwargs = {"dtype": dtype}
-    if foak_args.peft == "qlora-nf4":
-        try:
-            import bitsandbytes  # noqa: F401
-        except ImportError as e:
-            raise ValueError("--peft qlora-nf4 needs bitsandbytes (pip install bitsandbytes)") from e
-        kwargs["quantization_config"] = transformers.BitsAndBytesConfig(
-            load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
-            bnb_4bit_compute_dtype=dtype)
-    model = transformers.AutoModelForCausalLM.from_pretrained(path, **kwargs)
+    model = transformers.AutoModelForCausalLM.from_pretrained(path, **_load_kwargs(foak_args, training_args))
     return model, tokenizer, str(path)
 
 
@@ -167,13 +204,76 @@ def _peak_memory_gib() -> tuple[float, str]:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20, "process max RSS"
 
 
+def resolve_config(foak_args, embedded: bool):
+    """The AccelerationConfig to patch with (None: train without foak): the YAML given, else the default of the
+    module docstring."""
+    from foak.config import FULL_STANZA, PEFT_STANZA, load_config
+
+    given = foak_args.acceleration_config
+    if given == "none":
+        return None
+    if given is None:
+        if foak_args.peft != "none":
+            return load_config(PEFT_KERNELS)
+        return load_config(EMBEDDED_KERNELS) if embedded else None
+    config = load_config(given)
+    # the stanza says full fine-tuning or PEFT: it must be the run's (foak.patch would take a training stanza
+    # on a PEFT model, leave its LoRA layers unfused and check the precision as for full fine-tuning)
+    if foak_args.peft != "none" and config.mode == "full":
+        raise ValueError(
+            f"--peft {foak_args.peft} with --acceleration_config {given}: its {FULL_STANZA} stanza is for full "
+            f"fine-tuning, where foak's fused LoRA (fused_lora) does not exist. For a LoRA/QLoRA run put the "
+            f"switches under {PEFT_STANZA} and add fused_lora: true (fused_lora: false keeps PEFT's own LoRA "
+            "forward), or leave --acceleration_config out for the default (fused_lora and every kernel)"
+        )
+    if foak_args.peft == "none" and config.mode == "peft":
+        raise ValueError(
+            f"--acceleration_config {given} has the {PEFT_STANZA} stanza (LoRA/QLoRA) but --peft is none (full "
+            f"fine-tuning): pass --peft lora or --peft qlora-nf4, or put the switches under {FULL_STANZA} "
+            "(without fused_lora and base_layer)"
+        )
+    return config
+
+
+def _check_architecture(model, foak_args) -> None:
+    """The default config on a model foak has no rules for: say how to train it anyway."""
+    from foak.models import ARCHITECTURES
+
+    model_type = getattr(model.config, "model_type", None)
+    if model_type not in ARCHITECTURES:
+        raise ValueError(
+            f"--model {foak_args.model}: foak has no kernels for model_type {model_type!r} (supported: "
+            f"{', '.join(sorted(ARCHITECTURES))}); pass --acceleration_config none to train it without foak"
+        )
+
+
+def fused_lora_calls(report) -> dict | None:
+    """The report's fused_lora counts: modules patched, calls foak's fused op ran, calls that took PEFT's own
+    forward (total and per reason), and the rows' notes (e.g. LoRA layers left to PEFT). None without a
+    fused_lora row."""
+    from foak.patching.peft import _COUNTS
+
+    rows = [r for r in report.results if r.switch == "lora"]
+    if not rows:
+        return None
+    fused, reasons = 0, {}
+    for row in rows:
+        counts = _COUNTS.get((id(report), row.rule_id))  # absent when the rule patched no module
+        if counts is not None:
+            fused += counts.fused
+            for why, n in counts.peft.items():
+                reasons[why] = reasons.get(why, 0) + n
+    return {"modules": sum(r.modules for r in rows), "fused": fused, "peft_path": sum(reasons.values()),
+            "peft_path_reasons": reasons, "notes": "; ".join(r.notes for r in rows if r.notes)}
+
+
 def train(argv: list[str]) -> dict:
-    """Run ``foak train`` with command-line ``argv``; returns the summary dict."""
+    """Run ``foak train`` with command-line ``argv``; returns the summary dict (with ``patch_report``, the
+    report's text after training, and ``fused_lora``, see :func:`fused_lora_calls`; both None without foak)."""
     from transformers import Trainer
 
     import foak
     from foak.backend import describe
-    from foak.config import load_config
 
     foak_args, training_args = parse_arguments(argv)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -185,10 +285,7 @@ def train(argv: list[str]) -> dict:
     # everything the user gave is checked before the model is built
     records = read_jsonl(foak_args.dataset, foak_args.text_field) if foak_args.dataset else generated_corpus()
     embedded = foak_args.model is None and foak_args.dataset is None
-    if foak_args.acceleration_config in (None, "none"):
-        config = EMBEDDED_KERNELS if embedded and foak_args.acceleration_config is None else None
-    else:
-        config = load_config(foak_args.acceleration_config)
+    config = resolve_config(foak_args, embedded)
     model, tokenizer, model_name = load_model_and_tokenizer(foak_args, training_args)
     dataset = tokenize(records, tokenizer, foak_args.max_seq_length, foak_args.text_field)
     print(f"model: {model_name}; dataset: {foak_args.dataset or 'generated corpus'} ({len(dataset)} "
@@ -196,11 +293,17 @@ def train(argv: list[str]) -> dict:
           + (f", {dataset.truncated} truncated to max_seq_length={foak_args.max_seq_length}" if dataset.truncated
              else "") + ")")
     model.config.use_cache = False  # training needs no KV cache (and packing requires none)
+    if config is not None and foak_args.acceleration_config is None:
+        _check_architecture(model, foak_args)
     model = apply_peft(model, foak_args)
+    report = None
     if config is None:
-        print("no --acceleration_config: training without foak's kernels (the baseline)")
+        why = ("--acceleration_config none" if foak_args.acceleration_config == "none"
+               else "no --acceleration_config for full fine-tuning of a model or dataset of yours")
+        print(f"{why}: training without foak's kernels (the baseline)")
     else:
-        print(foak.patch(model, config, mixed_precision=_mixed_precision(training_args)))
+        report = foak.patch(model, config, mixed_precision=_mixed_precision(training_args))
+        print(report)
     collator = TokenCounter(PackingCollator() if foak_args.packing else PaddingCollator(tokenizer.pad_token_id))
     if training_args.gradient_checkpointing:
         training_args.gradient_checkpointing_kwargs = {"use_reentrant": False}
@@ -208,6 +311,8 @@ def train(argv: list[str]) -> dict:
     start = time.perf_counter()
     result = trainer.train()
     seconds = time.perf_counter() - start
+    if report is not None:
+        print(f"after training:\n{report}")  # the fused_lora row now counts the calls
     output_dir = Path(training_args.output_dir)
     trainer.save_model(str(output_dir))
     tokenizer.save_pretrained(str(output_dir))
@@ -218,7 +323,8 @@ def train(argv: list[str]) -> dict:
     summary = {"steps": result.global_step, "seconds": seconds, "tokens": collator.tokens,
                "tokens_per_second": collator.tokens / seconds, "peak_memory_gib": peak,
                "first_loss": losses[0] if losses else math.nan, "final_loss": losses[-1] if losses else math.nan,
-               "output_dir": str(output_dir)}
+               "output_dir": str(output_dir), "patch_report": None if report is None else str(report),
+               "fused_lora": None if report is None else fused_lora_calls(report)}
     print(f"done: {summary['steps']} steps in {seconds:.1f} s, {summary['tokens_per_second']:.0f} tokens/s, "
           f"peak memory {peak:.2f} GiB ({peak_kind}), loss {summary['first_loss']:.3f} -> "
           f"{summary['final_loss']:.3f}; model and loss_curve.png in {output_dir}")
