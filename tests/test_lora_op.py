@@ -409,7 +409,7 @@ def test_clear_errors():
         (dict(lora_B=torch.randn(9, 4)), "lora_B must be"),
         (dict(weight=torch.randn(9, 22)), "weight must be"),
         (dict(bias=torch.randn(8)), "bias must be"),
-        (dict(x=x.bfloat16()), "nn.Linear needs one dtype"),
+        (dict(x=x.bfloat16()), "base GEMM needs one dtype"),
         (dict(lora_B=b.bfloat16()), "share one dtype"),
         (dict(x=torch.ones(4, 23, dtype=torch.int64)), "dtype"),
         (dict(dropout_p=1.0), "dropout_p"),

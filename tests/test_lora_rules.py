@@ -121,23 +121,40 @@ def test_lora_on_attention_only_and_on_mlp_only(targets):
     assert calls(report) == (LAYERS * len(targets), {})
 
 
-def test_fast_swiglu_and_fused_lora_compose_on_one_mlp(monkeypatch):
-    """The swiglu rule's MLP forward calls gate/up/down_proj, which are the LoRA layers' fused forwards:
-    both rules act on the same MLP, neither replaces the other."""
-    ref = peft_llama(MLP)
+@pytest.mark.parametrize("dropout", [0.0, 0.2])
+def test_fast_swiglu_and_fused_lora_compose_on_one_mlp(monkeypatch, dropout):
+    """One rule drives the MLP: the swiglu rule's forward runs gate and up as one lora_linears call and down
+    as lora_glu_linear (the product recomputed in the backward), counted in the fused_lora row per layer."""
+    from foak.patching import peft as peft_rules
+
+    ref = peft_llama(MLP, lora_dropout=dropout)
     model, report = patched_pair(ref, fused_lora=True, fast_swiglu=True)
     assert report.result("llama.swiglu").modules == LAYERS
     seen = []
-    real_glu = foak.patching.replacements.glu
-
-    def counted_glu(*args, **kwargs):
-        seen.append("glu")
-        return real_glu(*args, **kwargs)
-
-    monkeypatch.setattr(foak.patching.replacements, "glu", counted_glu)
-    assert_same_training(model, ref)
-    assert seen == ["glu"] * LAYERS  # the fused gated kernel ran (down_proj is a LoRA layer: no glu_linear)
-    assert calls(report) == (LAYERS * 3, {})
+    for name in ("lora_linears", "lora_glu_linear", "lora_linear", "glu", "glu_linear"):
+        real = getattr(peft_rules, name)
+        monkeypatch.setattr(peft_rules, name, lambda *a, _real=real, _name=name, **k: seen.append(_name) or _real(*a, **k))
+    monkeypatch.setattr(foak.patching.replacements, "glu", lambda *a, **k: seen.append("replacements.glu"))
+    if dropout:
+        # against the per-layer fused path (each layer's lora_linear vs PEFT: tests/test_lora_op.py): the
+        # seeds are drawn from torch's generator in the same order (gate, up, down), so the masks are equal
+        per_layer, _ = patched_pair(ref, fused_lora=True)
+        torch.manual_seed(5)
+        loss, grads = loss_and_grads(model)
+        torch.manual_seed(5)
+        ref_loss, ref_grads = loss_and_grads(per_layer)
+        assert_close(loss, ref_loss, "loss")
+        assert grads.keys() == ref_grads.keys() and len(grads) == LAYERS * 3 * 2
+        for name, g in grads.items():
+            assert_close(g, ref_grads[name], f"grad of {name}")
+        torch.manual_seed(6)
+        assert loss_and_grads(model)[0] != loss  # other seeds, other masks
+    else:
+        assert_same_training(model, ref)
+    assert seen.count("lora_linears") == seen.count("lora_glu_linear") == LAYERS * (2 if dropout else 1)
+    assert "replacements.glu" not in seen and "glu_linear" not in seen
+    assert calls(report)[1] == {} and f"forwards as fused LoRA MLP blocks" in report.result("llama.swiglu").notes
+    assert calls(report)[0] == 3 * LAYERS * (2 if dropout else 1)  # this model's forwards (1 or 2)
 
 
 def test_dropout_uses_the_modules_p_in_training_and_none_in_eval(monkeypatch):

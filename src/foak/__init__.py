@@ -6,6 +6,7 @@ from foak.ops.cross_entropy import cross_entropy
 from foak.ops.glu_linear import glu_linear
 from foak.ops.linear_cross_entropy import linear_cross_entropy
 from foak.ops.lora import lora_linear, lora_linears
+from foak.ops.lora_glu_linear import lora_glu_linear
 from foak.patching import patch, restore
 import foak.integrations.trl  # noqa: F401,E402  (registers foak's server for TRL's fused LM head)
 
@@ -17,6 +18,7 @@ __all__ = [
     "get_backend",
     "glu_linear",
     "linear_cross_entropy",
+    "lora_glu_linear",
     "lora_linear",
     "lora_linears",
     "patch",

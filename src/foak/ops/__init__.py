@@ -7,10 +7,13 @@ not re-exported here, so those module names keep pointing at the modules."""
 from foak.ops.activations import geglu, geglu_reference, glu, glu_reference, swiglu, swiglu_reference
 from foak.ops.glu_linear import glu_linear, glu_linear_reference
 from foak.ops.lora import lora_dropout_mask, lora_linear, lora_linear_reference, lora_linears
+from foak.ops.lora_glu_linear import lora_glu_linear, lora_glu_linear_reference
+from foak.ops.nf4 import NF4Weight, nf4_dequantize, nf4_dequantize_reference
 from foak.ops.rms_norm import rms_norm, rms_norm_reference
 from foak.ops.rope import rope, rope_reference
 
 __all__ = [
+    "NF4Weight",
     "geglu",
     "geglu_reference",
     "glu",
@@ -18,9 +21,13 @@ __all__ = [
     "glu_linear_reference",
     "glu_reference",
     "lora_dropout_mask",
+    "lora_glu_linear",
+    "lora_glu_linear_reference",
     "lora_linear",
     "lora_linear_reference",
     "lora_linears",
+    "nf4_dequantize",
+    "nf4_dequantize_reference",
     "rms_norm",
     "rms_norm_reference",
     "rope",

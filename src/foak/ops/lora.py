@@ -118,8 +118,9 @@ def _dropout_reference(xa: torch.Tensor, seed: torch.Tensor, p: float) -> torch.
 
 def lora_linear_reference(x, weight, bias, lora_A, lora_B, scaling, dropout_p=0.0, seed=None):
     """PEFT's lora.Linear forward in plain torch (autocast applies to its F.linear calls as in PEFT);
-    the dropout mask is :func:`lora_dropout_mask`'s for ``seed`` (drawn if None)."""
-    result = torch.nn.functional.linear(x, weight, bias)
+    the dropout mask is :func:`lora_dropout_mask`'s for ``seed`` (drawn if None). A quantized ``weight``
+    is dequantized to x's dtype."""
+    result = torch.nn.functional.linear(x, _dense(weight, x.dtype), bias)
     xa = x.to(lora_A.dtype)
     if dropout_p > 0:
         xa = _dropout_reference(xa, _seed_tensor("lora_linear_reference", seed, x.device), dropout_p)
@@ -130,6 +131,31 @@ def lora_linear_reference(x, weight, bias, lora_A, lora_B, scaling, dropout_p=0.
 def lora_linears_reference(x, projections):
     """:func:`lora_linear_reference` for each ``(weight, bias, lora_A, lora_B, scaling, dropout_p, seed)``."""
     return tuple(lora_linear_reference(x, *proj) for proj in projections)
+
+
+# quantized bases ----------------------------------------------------------------------------------
+# A frozen base weight is a dense tensor or a quantized one: any object with ``shape`` ([out, in]),
+# ``device``, ``dtype`` (its compute dtype), ``requires_grad`` (False) and ``dequantize(dtype)``
+# returning a fresh dense [out, in] tensor (foak.ops.nf4.NF4Weight). A quantized weight is dequantized
+# for each GEMM that needs it (forward, and again for the input gradient) and the dense copy is freed
+# right after: no dense copy lives from the forward to the backward.
+def _is_quantized(weight) -> bool:
+    return not isinstance(weight, torch.Tensor)
+
+
+def _dense(weight, dtype: torch.dtype) -> torch.Tensor:
+    return weight if isinstance(weight, torch.Tensor) else weight.dequantize(dtype)
+
+
+def _check_quantized(op: str, weight) -> None:
+    missing = [a for a in ("shape", "device", "dtype", "dequantize") if not hasattr(weight, a)]
+    if missing or len(weight.shape) != 2:
+        raise ValueError(f"{op}: weight must be a torch.Tensor or a quantized weight with shape [out, in], "
+                         f"device, dtype and dequantize(dtype) (e.g. foak.ops.nf4.NF4Weight); got "
+                         f"{type(weight).__name__}" + (f" without {missing}" if missing else ""))
+    if weight.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        raise ValueError(f"{op}: the quantized weight's compute dtype must be float32, bfloat16 or float16; "
+                         f"got {weight.dtype}")
 
 
 # 2. kernels ---------------------------------------------------------------------------------------
@@ -237,15 +263,26 @@ def _add_up_projection(out, h, lora_B, scaling):
     return out.add_(torch.mm(h, lora_B.t()), alpha=scaling)
 
 
-def _base(x2d, weight, bias):
-    return torch.mm(x2d, weight.t()) if bias is None else torch.addmm(bias, x2d, weight.t())
+def _base(x2d, weight, bias, out=None):
+    w = _dense(weight, x2d.dtype)
+    return torch.mm(x2d, w.t(), out=out) if bias is None else torch.addmm(bias, x2d, w.t(), out=out)
 
 
 def _input_grad_base(dys, weights):
-    dx = torch.mm(dys[0], weights[0])
+    dx = torch.mm(dys[0], _dense(weights[0], dys[0].dtype))
     for dy, weight in zip(dys[1:], weights[1:]):
-        dx.addmm_(dy, weight)
+        dx.addmm_(dy, _dense(weight, dy.dtype))
     return dx
+
+
+def _saveable(tensors):
+    """(tensors with each quantized weight replaced by None, {position: quantized weight})."""
+    quantized = {i: t for i, t in enumerate(tensors) if t is not None and _is_quantized(t)}
+    return [None if i in quantized else t for i, t in enumerate(tensors)], quantized
+
+
+def _restore(saved, quantized):
+    return [quantized.get(i, t) for i, t in enumerate(saved)]
 
 
 def _add_down_grad(dx, g, lora_A):
@@ -261,13 +298,14 @@ class _LoRALinearFunction(torch.autograd.Function):
     def forward(ctx, x2d, weight, bias, lora_A, lora_B, scaling, dropout_p, seed):
         h = torch.mm(_adapter_input(x2d, lora_A.dtype, dropout_p, seed), lora_A.t())
         out = _add_up_projection(_base(x2d, weight, bias), h, lora_B, scaling)
-        ctx.save_for_backward(x2d, weight, lora_A, lora_B, h, seed)
+        saved, ctx.quantized = _saveable([x2d, weight, lora_A, lora_B, h, seed])
+        ctx.save_for_backward(*saved)
         ctx.scaling, ctx.dropout_p = scaling, dropout_p
         return out
 
     @staticmethod
     def backward(ctx, dout):
-        x2d, weight, lora_A, lora_B, h, seed = ctx.saved_tensors
+        x2d, weight, lora_A, lora_B, h, seed = _restore(ctx.saved_tensors, ctx.quantized)
         need_x, need_A, need_B = ctx.needs_input_grad[0], ctx.needs_input_grad[3], ctx.needs_input_grad[4]
         with torch.autocast(dout.device.type, enabled=False):  # a backward run inside an autocast region
             dx, dA, dB = _projection_backward(x2d, dout, weight, lora_A, lora_B, h, seed, ctx.scaling,
@@ -283,7 +321,7 @@ def _projection_backward(x2d, dout, weight, lora_A, lora_B, h, seed, scaling, p,
     dB = torch.mm(dy_a.t(), h).mul_(scaling) if need_B else None
     dA = None
     if need_x and dx is None:
-        dx = torch.mm(dout, weight)
+        dx = torch.mm(dout, _dense(weight, dout.dtype))
     if need_x or need_A:
         g = torch.mm(dy_a, lora_B).mul_(scaling)  # gradient of h (scaling included)
         xa = None
@@ -312,7 +350,7 @@ class _LoRALinearsFunction(torch.autograd.Function):
         # meta: (has_bias per projection, scalings, dropout_ps, stacked); tensors: per projection
         # weight, bias (absent when None), lora_A, lora_B, seed (absent when p == 0)
         projections = _unflatten(meta, tensors)
-        _, scalings, dropout_ps, stacked = meta
+        _, scalings, dropout_ps, stacked, lead = meta
         outs, hs = [], []
         if stacked:
             # one down-projection GEMM for all adapters (no dropout, one adapter dtype)
@@ -323,9 +361,17 @@ class _LoRALinearsFunction(torch.autograd.Function):
             for (weight, bias, lora_A, lora_B, seed), p in zip(projections, dropout_ps):
                 hs.append(torch.mm(_adapter_input(x2d, lora_A.dtype, p, seed), lora_A.t()))
         for (weight, bias, lora_A, lora_B, seed), h, s in zip(projections, hs, scalings):
-            outs.append(_add_up_projection(_base(x2d, weight, bias), h, lora_B, s))
+            # each output is allocated in its final shape, so that it is not a view (a consumer may then
+            # reuse its memory for its gradient: foak.ops._inplace)
+            out = x2d.new_empty((*lead, weight.shape[0]))
+            out2d = out.view(-1, weight.shape[0])
+            result = _add_up_projection(_base(x2d, weight, bias, out=out2d), h, lora_B, s)
+            if result is not out2d:
+                out2d.copy_(result)
+            outs.append(out)
         ctx.meta = meta
-        ctx.save_for_backward(x2d, *([h_all] if stacked else hs), *tensors)
+        saved, ctx.quantized = _saveable(list(tensors))
+        ctx.save_for_backward(x2d, *([h_all] if stacked else hs), *saved)
         return tuple(outs)
 
     @staticmethod
@@ -335,12 +381,13 @@ class _LoRALinearsFunction(torch.autograd.Function):
 
     @staticmethod
     def _backward(ctx, douts):
-        _, scalings, dropout_ps, stacked = ctx.meta
+        _, scalings, dropout_ps, stacked, _ = ctx.meta
         n = len(scalings)
         saved = ctx.saved_tensors
         x2d = saved[0]
         n_h = 1 if stacked else n
-        tensors = saved[1 + n_h:]
+        tensors = _restore(saved[1 + n_h:], ctx.quantized)
+        douts = [dy.reshape(-1, dy.shape[-1]) for dy in douts]
         projections = _unflatten(ctx.meta, tensors)
         need_x = ctx.needs_input_grad[0]
         flags = _needs_per_projection(ctx.meta, ctx.needs_input_grad[2:])
@@ -380,7 +427,7 @@ class _LoRALinearsFunction(torch.autograd.Function):
 
 
 def _unflatten(meta, tensors):
-    has_bias, _, dropout_ps, _ = meta
+    has_bias, dropout_ps = meta[0], meta[2]
     projections, i = [], 0
     for bias_present, p in zip(has_bias, dropout_ps):
         weight = tensors[i]
@@ -400,7 +447,7 @@ def _unflatten(meta, tensors):
 
 
 def _needs_per_projection(meta, needs):
-    has_bias, _, dropout_ps, _ = meta
+    has_bias, dropout_ps = meta[0], meta[2]
     flags, i = [], 0
     for bias_present, p in zip(has_bias, dropout_ps):
         i += 1 + int(bias_present)
@@ -422,15 +469,19 @@ def _check_number(op, name, value, low, high=None, high_open=False):
 def _prepare_projection(op, x, weight, bias, lora_A, lora_B, scaling, dropout_p):
     """Validate one projection and apply autocast's casts (differentiable, outside the autograd
     Function) as the nn.Linear calls of PEFT would. Returns the tensors in compute dtypes."""
+    quantized = _is_quantized(weight)
+    if quantized:
+        _check_quantized(op, weight)
     for name, t in (("x", x), ("weight", weight), ("lora_A", lora_A), ("lora_B", lora_B)):
-        check_float_tensor(op, name, t)
+        if not (name == "weight" and quantized):
+            check_float_tensor(op, name, t)
     if bias is not None:
         check_float_tensor(op, "bias", bias)
     check_same_device(op, x=x, weight=weight, bias=bias, lora_A=lora_A, lora_B=lora_B)
     if x.dim() < 1:
         raise ValueError(f"{op}: x must be [..., in_features], got a 0-d tensor")
     in_features = x.shape[-1]
-    if weight.dim() != 2 or weight.shape[1] != in_features:
+    if len(weight.shape) != 2 or weight.shape[1] != in_features:
         raise ValueError(f"{op}: weight must be [out_features, {in_features}] for x of shape {tuple(x.shape)}; "
                          f"got {tuple(weight.shape)}")
     out_features = weight.shape[0]
@@ -458,14 +509,25 @@ def _prepare_projection(op, x, weight, bias, lora_A, lora_B, scaling, dropout_p)
         if lora_A.dtype not in (torch.float32, dtype):
             raise ValueError(f"{op}: under {dtype} autocast the adapters must be float32 or {dtype}; got "
                              f"{lora_A.dtype} (PEFT would round x to it before autocast's cast)")
-        x, weight, lora_A, lora_B = x.to(dtype), weight.to(dtype), lora_A.to(dtype), lora_B.to(dtype)
+        if quantized and weight.dtype != dtype:
+            raise ValueError(f"{op}: the quantized base computes in {weight.dtype} but autocast runs {dtype}; "
+                             "set the quantized layer's compute dtype to the autocast dtype")
+        x, lora_A, lora_B = x.to(dtype), lora_A.to(dtype), lora_B.to(dtype)
+        weight = weight if quantized else weight.to(dtype)
         bias = None if bias is None else bias.to(dtype)
     else:
         for name, t in (("weight", weight), ("bias", bias)):
             if t is not None and t.dtype != x.dtype:
-                raise ValueError(f"{op}: x is {x.dtype} but the base {name} is {t.dtype}; outside autocast "
-                                 "nn.Linear needs one dtype (cast x, or run under torch.autocast)")
+                what = "compute dtype of the quantized base" if quantized and name == "weight" else f"base {name}"
+                raise ValueError(f"{op}: x is {x.dtype} but the {what} is {t.dtype}; outside autocast "
+                                 "the base GEMM needs one dtype (cast x, or run under torch.autocast)")
     return x, weight, bias, lora_A, lora_B, scaling, dropout_p
+
+
+def _quantized_result(out, weight, x):
+    """A quantized base returns x's dtype, as bitsandbytes' Linear4bit does (``.to(inp_dtype)``), also
+    under autocast (an fp32 input gives an fp32 result); a dense base returns the GEMM's dtype."""
+    return out.to(x.dtype) if _is_quantized(weight) and out.dtype != x.dtype else out
 
 
 def lora_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, lora_A: torch.Tensor,
@@ -484,11 +546,12 @@ def lora_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
         op, x, weight, bias, lora_A, lora_B, scaling, dropout_p)
     seed_t = _seed_tensor(op, seed, x.device) if dropout_p > 0 else None
     if not use_triton(x.device):
-        return lora_linear_reference(x_c, weight, bias, lora_A, lora_B, scaling, dropout_p, seed_t)
+        return _quantized_result(lora_linear_reference(x_c, weight, bias, lora_A, lora_B, scaling, dropout_p, seed_t),
+                                 weight, x)
     x2d = rows_view(x_c, x_c.shape[-1])
     with torch.autocast(x.device.type, enabled=False):
         out = _LoRALinearFunction.apply(x2d, weight, bias, lora_A, lora_B, scaling, dropout_p, seed_t)
-    return out.view(*x.shape[:-1], weight.shape[0])
+    return _quantized_result(out.view(*x.shape[:-1], weight.shape[0]), weight, x)
 
 
 def lora_linears(x: torch.Tensor, projections: Sequence[Sequence]) -> tuple[torch.Tensor, ...]:
@@ -518,7 +581,7 @@ def lora_linears(x: torch.Tensor, projections: Sequence[Sequence]) -> tuple[torc
         seed_t = _seed_tensor(op, seed, x.device) if dropout_p > 0 else None
         prepared.append((weight, bias, lora_A, lora_B, scaling, dropout_p, seed_t))
     if not use_triton(x.device):
-        return lora_linears_reference(x_c, prepared)
+        return tuple(_quantized_result(o, p[0], x) for o, p in zip(lora_linears_reference(x_c, prepared), prepared))
     has_bias = tuple(p[1] is not None for p in prepared)
     scalings = tuple(p[4] for p in prepared)
     dropout_ps = tuple(p[5] for p in prepared)
@@ -529,8 +592,9 @@ def lora_linears(x: torch.Tensor, projections: Sequence[Sequence]) -> tuple[torc
         tensors += [seed_t] if seed_t is not None else []
     x2d = rows_view(x_c, x_c.shape[-1])
     with torch.autocast(x.device.type, enabled=False):
-        outs = _LoRALinearsFunction.apply(x2d, (has_bias, scalings, dropout_ps, stacked), *tensors)
-    return tuple(o.view(*x.shape[:-1], p[0].shape[0]) for o, p in zip(outs, prepared))
+        outs = _LoRALinearsFunction.apply(x2d, (has_bias, scalings, dropout_ps, stacked, tuple(x.shape[:-1])),
+                                          *tensors)
+    return tuple(_quantized_result(o, p[0], x) for o, p in zip(outs, prepared))
 
 
 def lora_dropout_mask(seed, shape: Sequence[int], p: float, device: torch.device | str | None = None

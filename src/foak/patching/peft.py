@@ -21,7 +21,10 @@ import weakref
 import torch
 from torch import nn
 
-from foak.ops.lora import lora_linear
+from foak.ops.activations import glu
+from foak.ops.glu_linear import glu_linear
+from foak.ops.lora import lora_linear, lora_linears
+from foak.ops.lora_glu_linear import lora_glu_linear
 from foak.patching.replacements import _plain_linear
 from foak.patching.rules import Rule, Trigger
 
@@ -153,6 +156,61 @@ def _fallback_reason(module, x, args, kwargs) -> str | None:
     return None
 
 
+# the lora.Linear layers the fused_lora rule patched -> their call counts; a block-level rule (the gated
+# MLP's) asks :func:`fused_projection` whether a layer's call may run inside its own fused op
+_FUSED_LAYERS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _projection_spec(module, x):
+    """(weight, bias, lora_A, lora_B, scaling, dropout_p, seed) of the one active adapter, for foak.ops.lora."""
+    (name,) = [a for a in module.active_adapters if a in module.lora_A]
+    dropout = module.lora_dropout[name]
+    p = float(dropout.p) if isinstance(dropout, nn.Dropout) and dropout.training else 0.0
+    base = module.base_layer
+    return (base.weight, base.bias, module.lora_A[name].weight, module.lora_B[name].weight, module.scaling[name],
+            p, None)
+
+
+def fused_projection(module: nn.Module, x: torch.Tensor):
+    """For a block-level op (e.g. the gated MLP's): the ``lora_linear`` arguments of ``module(x)`` as a
+    ``(weight, bias, lora_A, lora_B, scaling, dropout_p, seed)`` tuple when ``module`` is a layer the
+    fused_lora rule patched and this call would be fused; else None (then call ``module(x)``, which takes
+    and counts its own path). A caller that uses the tuple reports it with :func:`count_fused`."""
+    if module not in _FUSED_LAYERS or _fallback_reason(module, x, (), {}) is not None:
+        return None
+    return _projection_spec(module, x)
+
+
+def count_fused(module: nn.Module) -> None:
+    """Count one fused call of a layer whose :func:`fused_projection` a block-level op computed."""
+    _FUSED_LAYERS[module].count(None)
+
+
+def lora_glu_mlp(gate: nn.Module, up: nn.Module, down: nn.Module, x: torch.Tensor, activation: str):
+    """``down(act(gate(x)) * up(x))`` with the fused_lora layers among the three computed as blocks: gate and
+    up by one ``lora_linears`` (x read once, each its own dropout mask), down by ``lora_glu_linear`` (the
+    product ``act(g) * u`` recomputed in the backward, not kept). A layer whose call PEFT's path must take
+    runs its own forward. Returns None when none of the blocks applies (the caller's own MLP path runs)."""
+    spec_gate, spec_up = fused_projection(gate, x), fused_projection(up, x)
+    pair = spec_gate is not None and spec_up is not None
+    if not pair and down not in _FUSED_LAYERS:
+        return None
+    if pair:
+        g, u = lora_linears(x, [spec_gate, spec_up])
+        count_fused(gate)
+        count_fused(up)
+    else:
+        g, u = gate(x), up(x)
+    spec_down = fused_projection(down, g)
+    if spec_down is not None:
+        weight, bias, lora_A, lora_B, scaling, p, _ = spec_down
+        count_fused(down)
+        return lora_glu_linear(g, u, weight, bias, lora_A, lora_B, scaling, dropout_p=p, activation=activation)
+    if _plain_linear(down):
+        return glu_linear(g, u, down.weight, down.bias, activation)
+    return down(glu(g, u, activation))  # e.g. a LoRA layer whose call takes PEFT's path (counted there)
+
+
 def lora_linear_rule(arch: str) -> Rule:
     """fused_lora: PEFT ``lora.Linear`` layers over a plain ``nn.Linear`` run foak's ``lora_linear`` when
     that computes exactly what PEFT would (decided per call; see the module docstring)."""
@@ -166,6 +224,8 @@ def lora_linear_rule(arch: str) -> Rule:
     def patch(module, model, state):
         original_forward = module.forward
         counts = _counts_of(state, rule_id)
+        _FUSED_LAYERS[module] = counts
+        state.on_restore(lambda: _FUSED_LAYERS.pop(module, None))
 
         @functools.wraps(original_forward)
         def forward(x, *args, **kwargs):
@@ -173,12 +233,8 @@ def lora_linear_rule(arch: str) -> Rule:
             counts.count(reason)
             if reason is not None:
                 return original_forward(x, *args, **kwargs)
-            (name,) = [a for a in module.active_adapters if a in module.lora_A]
-            dropout = module.lora_dropout[name]
-            p = float(dropout.p) if isinstance(dropout, nn.Dropout) and dropout.training else 0.0
-            base = module.base_layer
-            return lora_linear(x, base.weight, base.bias, module.lora_A[name].weight, module.lora_B[name].weight,
-                               module.scaling[name], dropout_p=p)
+            weight, bias, lora_A, lora_B, scaling, p, _ = _projection_spec(module, x)
+            return lora_linear(x, weight, bias, lora_A, lora_B, scaling, dropout_p=p)
 
         return forward
 

@@ -93,9 +93,21 @@ def _plain_linear(module: nn.Module) -> bool:
             and not nn.modules.module._global_forward_pre_hooks)
 
 
+def _lora_glu_mlp(mlp: nn.Module):
+    """foak.patching.peft.lora_glu_mlp when the MLP's projections include PEFT LoRA layers, else None."""
+    if "peft" not in sys.modules:
+        return None
+    from foak.patching.peft import is_peft_model, lora_glu_mlp  # imports foak.patching.replacements
+
+    return lora_glu_mlp if is_peft_model(mlp) else None
+
+
 def glu_mlp_rule(arch: str, mlp_class: type) -> Rule:
     """``down_proj(act(gate_proj(x)) * up_proj(x))`` with act and product fused (SwiGLU / GeGLU). When
-    down_proj is a plain nn.Linear, the product is not kept for the backward (foak.ops.glu_linear)."""
+    down_proj is a plain nn.Linear, the product is not kept for the backward (foak.ops.glu_linear). When the
+    projections are PEFT LoRA layers patched by fused_lora, the MLP runs as fused LoRA blocks
+    (foak.patching.peft.lora_glu_mlp: gate and up as one op, down without keeping the product): one rule
+    for the MLP, decided per call, with the LoRA layers' own counts in the fused_lora row."""
 
     def skip_reason(model):
         act = _hidden_act(model)
@@ -105,10 +117,19 @@ def glu_mlp_rule(arch: str, mlp_class: type) -> Rule:
 
     def patch(module, model, state):
         activation = GLU_ACTIVATIONS[_hidden_act(model)]
+        lora_mlp = _lora_glu_mlp(module)
+        row, blocks = state.result, [0]
 
         def forward(x):
             down = module.down_proj
             x = cast_for_projections(x)  # under autocast over fp32 weights: one cast for gate and up
+            if lora_mlp is not None:  # PEFT LoRA projections that fused_lora patched: fused LoRA blocks
+                out = lora_mlp(module.gate_proj, module.up_proj, down, x, activation)
+                if out is not None:
+                    if not torch.compiler.is_compiling():
+                        blocks[0] += 1
+                        row.note_runtime("lora_blocks", f"{blocks[0]} forwards as fused LoRA MLP blocks")
+                    return out
             g, u = module.gate_proj(x), module.up_proj(x)
             if _plain_linear(down):  # the product is recomputed in the backward instead of kept
                 return glu_linear(g, u, down.weight, down.bias, activation)

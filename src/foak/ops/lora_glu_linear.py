@@ -1,0 +1,151 @@
+"""The LoRA down projection of a gated MLP: ``lora_linear(act(g) * u, ...)`` without keeping ``act(g) * u``.
+
+This is :func:`foak.ops.lora.lora_linear` applied to ``h = act(g) * u`` (SwiGLU / GeGLU), with
+:func:`foak.ops.glu_linear.glu_linear`'s recompute: the forward saves ``g``, ``u`` (which the activation's
+gradient needs anyway) and the small ``[tokens, r]`` adapter product, never ``h`` nor ``dropout(h)``.
+The backward forms the gradient of ``h``,
+
+    dh = dy W + s * mask / (1 - p) * ((dy B) A)
+
+(one GEMM, one rank-sized GEMM pair, and with dropout one elementwise kernel that applies the
+regenerated mask), then one GLU kernel reads ``dh, g, u`` and writes ``dg, du`` and ``h`` itself (into
+``dh``'s memory), and ``dA = s * (dy B)^T dropout(h)`` (the mask regenerated once more), ``dB = s * dy^T (dropout(h) A^T)``. The base is frozen; ``weight`` is a dense tensor or a
+quantized weight (see foak.ops.lora). Semantics (dtypes, autocast, dropout mask, scaling) are
+:func:`foak.ops.lora.lora_linear`'s for the input ``h``: PEFT's ``lora.Linear`` over ``act(g) * u``.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from foak.backend import use_triton
+from foak.ops._custom_op import custom_op
+from foak.ops._inplace import can_overwrite, claim
+from foak.ops.activations import _backward_launch, _glu_forward_op, check_glu_inputs, glu_reference
+from foak.ops.lora import (
+    _add_down_grad,
+    _add_up_projection,
+    _adapter_input,
+    _base,
+    _dense,
+    _dropout_backward_op,
+    _dropout_op,
+    _prepare_projection,
+    _quantized_result,
+    _restore,
+    _saveable,
+    _seed_tensor,
+    lora_linear_reference,
+)
+
+
+# 1. reference -------------------------------------------------------------------------------------
+def lora_glu_linear_reference(g, u, weight, bias, lora_A, lora_B, scaling, dropout_p=0.0, seed=None,
+                              activation: str = "silu"):
+    return lora_linear_reference(glu_reference(g, u, activation), weight, bias, lora_A, lora_B, scaling,
+                                 dropout_p, seed)
+
+
+# 2./3. kernels and launchers: foak.ops.activations (GLU, with STORE_H) and foak.ops.lora (dropout) ----
+
+
+# 4. custom op and autograd -----------------------------------------------------------------------
+def _glu_backward_fake(dh, g, u, activation):
+    return g.new_empty(g.shape), u.new_empty(u.shape)
+
+
+@custom_op("lora_glu_backward", _glu_backward_fake, mutates_args=("dh",))
+def _glu_backward_op(dh: torch.Tensor, g: torch.Tensor, u: torch.Tensor, activation: str
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
+    """dg, du in fresh memory; dh is overwritten by act(g) * u."""
+    dg, du = g.new_empty(g.shape), u.new_empty(u.shape)
+    _backward_launch(dh, g, u, dg, du, activation, h=dh)
+    return dg, du
+
+
+class _LoRAGLULinearFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, g, u, weight, bias, lora_A, lora_B, scaling, dropout_p, seed, activation, inplace):
+        h = _glu_forward_op(g, u, activation)
+        h2d = h.view(-1, h.shape[-1])
+        xa = _adapter_input(h2d, lora_A.dtype, dropout_p, seed)
+        small = torch.mm(xa, lora_A.t())
+        del xa
+        out = _add_up_projection(_base(h2d, weight, bias), small, lora_B, scaling)
+        saved, ctx.quantized = _saveable([g, u, weight, lora_A, lora_B, small, seed])
+        ctx.save_for_backward(*saved)
+        ctx.scaling, ctx.dropout_p, ctx.activation, ctx.inplace = scaling, dropout_p, activation, inplace
+        return out.view(*g.shape[:-1], out.shape[-1])
+
+    @staticmethod
+    def backward(ctx, dout):
+        with torch.autocast(dout.device.type, enabled=False):  # a backward run inside an autocast region
+            return _LoRAGLULinearFunction._backward(ctx, dout)
+
+    @staticmethod
+    def _backward(ctx, dout):
+        g, u, weight, lora_A, lora_B, small, seed = _restore(ctx.saved_tensors, ctx.quantized)
+        s, p = ctx.scaling, ctx.dropout_p
+        need_A, need_B = ctx.needs_input_grad[4], ctx.needs_input_grad[5]
+        dy = dout.reshape(-1, dout.shape[-1])
+        adapter_dtype = lora_A.dtype
+        dy_a = dy if dy.dtype == adapter_dtype else dy.to(adapter_dtype)
+        dB = torch.mm(dy_a.t(), small).mul_(s) if need_B else None
+        gd = torch.mm(dy_a, lora_B).mul_(s)  # gradient of the rank-sized product (scaling included)
+        dh = torch.mm(dy, _dense(weight, dy.dtype))  # fresh and contiguous [tokens, intermediate]
+        g2d, u2d = g.view(-1, g.shape[-1]), u.view(-1, u.shape[-1])
+        if p > 0:
+            dha = torch.mm(gd, lora_A)
+            _dropout_backward_op(g2d, dha, dh, seed, p, False)  # dh += mask / (1 - p) * dha
+            del dha
+        else:
+            _add_down_grad(dh, gd, lora_A)
+        if ctx.inplace:
+            # eager only: each thread reads dh[i], g[i], u[i] before writing dg[i], du[i], h[i] over them
+            _backward_launch(dh, g2d, u2d, g2d, u2d, ctx.activation, h=dh)
+            dg, du = g, u
+        else:
+            dg2d, du2d = _glu_backward_op(dh, g2d, u2d, ctx.activation)
+            dg, du = dg2d.view(g.shape), du2d.view(u.shape)
+        h2d = dh  # now act(g) * u
+        dA = None
+        if need_A:
+            if p > 0:
+                xa = _dropout_op(h2d, seed, p, adapter_dtype)
+            else:
+                xa = h2d if h2d.dtype == adapter_dtype else h2d.to(adapter_dtype)
+            dA = torch.mm(gd.t(), xa)
+        return dg, du, None, None, dA, dB, None, None, None, None, None
+
+
+# 5. public function -------------------------------------------------------------------------------
+def lora_glu_linear(g: torch.Tensor, u: torch.Tensor, weight, bias: torch.Tensor | None, lora_A: torch.Tensor,
+                    lora_B: torch.Tensor, scaling: float, dropout_p: float = 0.0, seed=None,
+                    activation: str = "silu", inplace_backward: bool = True) -> torch.Tensor:
+    """``lora_linear(act(g) * u, weight, bias, lora_A, lora_B, scaling, dropout_p, seed)`` with the product
+    recomputed in the backward instead of kept. g, u [..., intermediate]; weight [out, intermediate] (dense,
+    frozen, or a quantized weight); lora_A [r, intermediate]; lora_B [out, r]. ``dg, du`` go into the memory
+    of g and u when they are autograd intermediates nobody else reads (foak.ops._inplace)."""
+    op = "lora_glu_linear"
+    check_glu_inputs(op, g, u, activation)
+    h_like = g  # the product has g's dtype and shape: lora_linear's checks of x apply to it
+    _, weight, bias, lora_A, lora_B, scaling, dropout_p = _prepare_projection(
+        op, h_like, weight, bias, lora_A, lora_B, scaling, dropout_p)
+    device_type = g.device.type
+    if torch.is_autocast_enabled(device_type):
+        dtype = torch.get_autocast_dtype(device_type)
+        g, u = g.to(dtype), u.to(dtype)
+    if g.dtype != u.dtype:
+        raise ValueError(f"{op}: g and u must share one dtype, got {g.dtype} and {u.dtype}")
+    seed_t = _seed_tensor(op, seed, g.device) if dropout_p > 0 else None
+    if not use_triton(g.device):
+        out = lora_glu_linear_reference(g, u, weight, bias, lora_A, lora_B, scaling, dropout_p, seed_t, activation)
+        return _quantized_result(out, weight, h_like)
+    g, u = g.contiguous(), u.contiguous()
+    inplace = bool(inplace_backward) and can_overwrite(g, u)
+    if inplace:
+        claim(g, u)
+    with torch.autocast(device_type, enabled=False):
+        out = _LoRAGLULinearFunction.apply(g, u, weight, bias, lora_A, lora_B, scaling, dropout_p, seed_t,
+                                           activation, inplace)
+    return _quantized_result(out, weight, h_like)
