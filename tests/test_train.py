@@ -136,8 +136,10 @@ def test_qlora_nf4_quantizes_the_embedded_model_and_trains_with_the_default_conf
     summary = train([*TINY, "--peft", "qlora-nf4", "--output_dir", str(tmp_path)])
     assert summary["steps"] == 2 and torch.isfinite(torch.tensor(summary["final_loss"]))
     assert (tmp_path / "adapter_config.json").exists()
-    # lead: tighten to fused > 0 when the Linear4bit rule lands
-    assert "llama.fused_lora" in summary["patch_report"] and summary["fused_lora"] is not None
+    counts = summary["fused_lora"]
+    assert counts["modules"] == 14 and "14 bitsandbytes NF4 Linear4bit" in counts["notes"], counts
+    # 2 steps x 14 layers, each forward twice (prepare_model_for_kbit_training turns on gradient checkpointing)
+    assert counts["fused"] == 2 * 14 * 2 and counts["peft_path"] == 0, counts
 
 
 def _examples():

@@ -251,18 +251,17 @@ def fused_lora_calls(report) -> dict | None:
     """The report's fused_lora counts: modules patched, calls foak's fused op ran, calls that took PEFT's own
     forward (total and per reason), and the rows' notes (e.g. LoRA layers left to PEFT). None without a
     fused_lora row."""
-    from foak.patching.peft import _COUNTS
+    from foak.patching.peft import fused_lora_counts
 
     rows = [r for r in report.results if r.switch == "lora"]
     if not rows:
         return None
     fused, reasons = 0, {}
     for row in rows:
-        counts = _COUNTS.get((id(report), row.rule_id))  # absent when the rule patched no module
-        if counts is not None:
-            fused += counts.fused
-            for why, n in counts.peft.items():
-                reasons[why] = reasons.get(why, 0) + n
+        row_fused, row_reasons = fused_lora_counts(report, row.rule_id)
+        fused += row_fused
+        for why, n in row_reasons.items():
+            reasons[why] = reasons.get(why, 0) + n
     return {"modules": sum(r.modules for r in rows), "fused": fused, "peft_path": sum(reasons.values()),
             "peft_path_reasons": reasons, "notes": "; ".join(r.notes for r in rows if r.notes)}
 

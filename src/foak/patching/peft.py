@@ -1,15 +1,17 @@
 """Rules for PEFT models: the one module of foak that knows PEFT's classes (peft is imported only if the
 process already imported it: a model can only hold PEFT layers then).
 
-``fused_lora``: every ``peft.tuners.lora.Linear`` over a plain ``nn.Linear`` base gets a forward that
-decides per call. When PEFT's own forward would compute exactly ``base(x) + s * B(A(dropout(x)))`` for one
+``fused_lora``: every PEFT LoRA layer over a base foak's ops take (foak.patching.lora_bases: a plain
+``nn.Linear`` under ``lora.Linear``, a bitsandbytes NF4 ``Linear4bit`` under ``lora.bnb.Linear4bit``; the
+base is detected from the model) gets a forward that decides per call. When PEFT's own forward would compute exactly ``base(x) + s * B(A(dropout(x)))`` for one
 adapter, foak's ``lora_linear`` computes it (the dropout mask is foak's, drawn from torch's generator, not
 PEFT's ``nn.Dropout`` mask). Anything else takes PEFT's own forward, unchanged: adapters disabled, a merged
 adapter, no or several active adapters, DoRA or another LoRA variant, ``lora_bias``, extra arguments
 (``adapter_names``...), a dropout module other than ``nn.Dropout`` / ``nn.Identity``, hooks on the
 sub-layers, a trainable base weight, dtypes foak's op does not take. The rule's report row counts the
 fused and the fallen-back calls, with the reasons. Parameters, buffers and state_dict are untouched.
-LoRA layers over other bases (bitsandbytes ``Linear4bit``...) are left to PEFT and named in the report.
+A 4-bit base also takes PEFT's path for dtypes bitsandbytes would round differently (see
+lora_bases). LoRA layers over other bases (8-bit, FP4, GPTQ...) are left to PEFT and named in the report.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from foak.ops.activations import glu
 from foak.ops.glu_linear import glu_linear
 from foak.ops.lora import lora_linear, lora_linears
 from foak.ops.lora_glu_linear import lora_glu_linear
+from foak.patching.lora_bases import format_of
 from foak.patching.replacements import _plain_linear
 from foak.patching.rules import Rule, Trigger
 
@@ -46,8 +49,8 @@ def is_peft_model(model: nn.Module) -> bool:
 
 
 def _fusable_layer(module: nn.Module) -> bool:
-    layer = _lora_layer_module()
-    return layer is not None and type(module) is layer.Linear and type(module.base_layer) is nn.Linear
+    fmt = format_of(module)
+    return fmt is not None and fmt.patch_reason(module.base_layer) is None
 
 
 def _no_hooks(module: nn.Module) -> bool:
@@ -61,16 +64,25 @@ def _describe(model: nn.Module) -> str | None:
     if layer is None:
         return None
     others: dict[str, int] = {}
+    fused: dict[str, int] = {}
     for m in model.modules():
-        if isinstance(m, layer.LoraLayer) and not _fusable_layer(m):
-            if type(m) is layer.Linear:
-                kind = f"lora.Linear over {type(m.base_layer).__name__}"
-            else:
-                kind = type(m).__name__
-            others[kind] = others.get(kind, 0) + 1
+        if not isinstance(m, layer.LoraLayer):
+            continue
+        fmt = format_of(m)
+        why = fmt.patch_reason(m.base_layer) if fmt is not None else None
+        if fmt is not None and why is None:
+            fused[fmt.name] = fused.get(fmt.name, 0) + 1
+            continue
+        base, name = type(getattr(m, "base_layer", None)).__name__, type(m).__name__
+        kind = (name if name == base else f"{name} over {base}") + f" ({why or 'no fused kernel for this base yet'})"
+        others[kind] = others.get(kind, 0) + 1
+    notes = []
+    if len(fused) > 1 or (fused and "nn.Linear" not in fused):
+        notes.append("bases: " + ", ".join(f"{n} {name}" for name, n in sorted(fused.items())))
     if others:
-        listed = ", ".join(f"{n} {kind}" for kind, n in sorted(others.items()))
-        return f"left to PEFT: {listed} (no fused kernel for this base yet)"
+        notes.append("left to PEFT: " + ", ".join(f"{n} {kind}" for kind, n in sorted(others.items())))
+    if notes:
+        return "; ".join(notes)
     if not any(isinstance(m, layer.LoraLayer) for m in model.modules()):
         return "the model has no PEFT LoRA layers (wrap it with peft.get_peft_model first)"
     return None
@@ -111,6 +123,12 @@ def _counts_of(state, rule_id: str) -> _Counts:
     return counts
 
 
+def fused_lora_counts(report, rule_id: str) -> tuple[int, dict[str, int]]:
+    """(fused calls, {reason: PEFT-path calls}) of a report's fused_lora row so far ((0, {}) if it ran none)."""
+    counts = _COUNTS.get((id(report), rule_id))
+    return (0, {}) if counts is None else (counts.fused, dict(counts.peft))
+
+
 def _fallback_reason(module, x, args, kwargs) -> str | None:
     """Why PEFT's own forward must run for this call (None: foak's lora_linear computes it exactly)."""
     if module.disable_adapters:
@@ -135,7 +153,10 @@ def _fallback_reason(module, x, args, kwargs) -> str | None:
     if type(dropout) not in (nn.Identity, nn.Dropout):
         return f"dropout module {type(dropout).__name__}"
     base = module.base_layer
-    if not (_plain_linear(base) and _plain_linear(lora_A) and _plain_linear(lora_B) and _no_hooks(dropout)):
+    fmt = format_of(module)
+    if fmt is None:
+        return f"base layer {type(base).__name__}"
+    if not (_no_hooks(base) and _plain_linear(lora_A) and _plain_linear(lora_B) and _no_hooks(dropout)):
         return "hooks or non-plain sub-layers"
     if not isinstance(x, torch.Tensor) or not x.is_floating_point():
         return "non-float input"
@@ -146,11 +167,12 @@ def _fallback_reason(module, x, args, kwargs) -> str | None:
     if lora_B.weight.dtype != adapter_dtype:
         return "mixed adapter dtypes"
     device_type = x.device.type
-    if torch.is_autocast_enabled(device_type):
-        if adapter_dtype not in (torch.float32, torch.get_autocast_dtype(device_type)):
-            return f"{adapter_dtype} adapters under autocast"
-    elif weight.dtype != x.dtype or (base.bias is not None and base.bias.dtype != x.dtype):
-        return "input and base weight dtypes differ"
+    if torch.is_autocast_enabled(device_type) and adapter_dtype not in (torch.float32,
+                                                                         torch.get_autocast_dtype(device_type)):
+        return f"{adapter_dtype} adapters under autocast"
+    reason = fmt.call_reason(base, x)
+    if reason is not None:
+        return reason
     if x.dtype != adapter_dtype and not getattr(module, "cast_input_dtype_enabled", True):
         return "input dtype casting disabled"
     return None
@@ -167,7 +189,7 @@ def _projection_spec(module, x):
     dropout = module.lora_dropout[name]
     p = float(dropout.p) if isinstance(dropout, nn.Dropout) and dropout.training else 0.0
     base = module.base_layer
-    return (base.weight, base.bias, module.lora_A[name].weight, module.lora_B[name].weight, module.scaling[name],
+    return (format_of(module).weight(base), base.bias, module.lora_A[name].weight, module.lora_B[name].weight, module.scaling[name],
             p, None)
 
 
@@ -239,6 +261,6 @@ def lora_linear_rule(arch: str) -> Rule:
         return forward
 
     layer = _lora_layer_module()
-    module_class = layer.Linear if layer is not None else nn.Linear
+    module_class = layer.LoraLayer if layer is not None else nn.Linear
     trigger = Trigger(module_class, predicate=lambda m, model: _fusable_layer(m))
     return Rule(rule_id, "lora", trigger, patch, skip_reason, _describe)
