@@ -9,6 +9,9 @@ its own process so that peak memory is clean. Models are built from configs with
     --autocast: fp32 weights, forward under bf16 autocast (HF Trainer's bf16=True on an fp32 model)
     --lora: PEFT LoRA r16 alpha16 on q,k,v,o,gate,up,down (fp32 adapters on the bf16 base, bf16 autocast);
             the foak variant adds fused_lora
+    --qlora: the same on an NF4 base: every decoder projection a bitsandbytes Linear4bit (NF4, double-quantized
+             absmax, bf16 compute), quantized from the bf16 random weights (model.is_loaded_in_4bit set, as
+             from_pretrained(quantization_config=...) does, so PEFT wraps them in lora.bnb.Linear4bit)
     python3 benchmarks/train_step.py --one llama1b foak      # a single variant (what the driver runs)
     python3 benchmarks/train_step.py --models tiny --variants hf foak --device cpu --out /tmp/x  # smoke
 """
@@ -106,8 +109,31 @@ def profile_steps(step, batches, n_steps: int) -> dict:
             "top_kernels_ms": [[name[:140], ms] for name, ms in top]}
 
 
+def quantize_nf4(model, device):
+    """Every nn.Linear under model.model (not the LM head) -> bitsandbytes NF4 Linear4bit, double-quantized."""
+    import bitsandbytes as bnb
+    from torch import nn
+
+    for parent in list(model.model.modules()):
+        for name, child in list(parent.named_children()):
+            if type(child) is nn.Linear:
+                q = bnb.nn.Linear4bit(child.in_features, child.out_features, bias=child.bias is not None,
+                                      compute_dtype=torch.bfloat16, quant_type="nf4", compress_statistics=True,
+                                      device="meta")
+                q.weight = bnb.nn.Params4bit(child.weight.data.to("cpu" if device == "cpu" else device),
+                                             requires_grad=False, quant_type="nf4", compress_statistics=True)
+                if child.bias is not None:
+                    q.bias = nn.Parameter(child.bias.data, requires_grad=False)
+                setattr(parent, name, q.to(device))
+    if device == "cuda":
+        torch.cuda.empty_cache()
+    model.is_loaded_in_4bit = True
+    return model
+
+
 def run_one(model_name: str, variant: str, checkpointing: bool = False, packed: bool = False,
-            device: str = "cuda", profile: bool = False, autocast: bool = False, lora: bool = False) -> dict:
+            device: str = "cuda", profile: bool = False, autocast: bool = False, lora: bool = False,
+            qlora: bool = False) -> dict:
     import transformers
 
     class_name, dims, batch, seq = MODELS[model_name]
@@ -118,6 +144,9 @@ def run_one(model_name: str, variant: str, checkpointing: bool = False, packed: 
     with torch.device(device):
         model = transformers.AutoModelForCausalLM.from_config(config, dtype=dtype)
     model.config.use_cache = False
+    if qlora:
+        model = quantize_nf4(model, device)
+        lora = True
     if checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     if lora:  # adapters in fp32 (PEFT's autocast_adapter_dtype), base frozen in bf16, forward under autocast
@@ -135,13 +164,14 @@ def run_one(model_name: str, variant: str, checkpointing: bool = False, packed: 
 
         switches = {r.switch for r in rules_for(model)}
         extra = {"fused_lora": True} if lora else {}
-        report = str(foak.patch(model, fast_rms_layernorm=True, fast_rope_embeddings=True,
+        report = (foak.patch(model, fast_rms_layernorm=True, fast_rope_embeddings=True,
                                 fast_swiglu="swiglu" in switches, fused_linear_loss=True,
                                 mixed_precision="bf16" if autocast else "no", **extra))
     elif variant == "liger":
         import liger_kernel.transformers as liger
 
-        getattr(liger, f"apply_liger_kernel_to_{config.model_type}")(model=model)
+        base = model.get_base_model() if hasattr(model, "get_base_model") else model  # a PeftModel
+        getattr(liger, f"apply_liger_kernel_to_{config.model_type}")(model=base)
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-5,
                                   fused=device == "cuda")
     gen = torch.Generator(device=device).manual_seed(1)
@@ -181,10 +211,11 @@ def run_one(model_name: str, variant: str, checkpointing: bool = False, packed: 
         except Exception as err:  # the timing above stands; say why the profile is missing
             profiled = {"error": f"{type(err).__name__}: {err}"}
     return {"model": model_name, "variant": variant, "checkpointing": checkpointing, "packed": packed,
-            "autocast": autocast, "weights": str(dtype).replace("torch.", ""), "lora": lora,
+            "autocast": autocast, "weights": "nf4" if qlora else str(dtype).replace("torch.", ""), "lora": lora,
             "batch": batch, "seq": seq, "tokens_per_s": TIMED * batch * seq / seconds,
             "step_ms": seconds / TIMED * 1e3,
-            "peak_gib": peak_gib, "losses": [float(x) for x in losses], "patch_report": report,
+            "peak_gib": peak_gib, "losses": [float(x) for x in losses],
+            "patch_report": None if report is None else str(report),  # after the steps: with call counts
             "profile": profiled}
 
 
@@ -197,6 +228,7 @@ def main() -> int:
     parser.add_argument("--packed", action="store_true", help="rows of packed variable-length sequences")
     parser.add_argument("--autocast", action="store_true", help="fp32 weights + bf16 autocast")
     parser.add_argument("--lora", action="store_true", help="PEFT LoRA r16 on every projection (bf16 base)")
+    parser.add_argument("--qlora", action="store_true", help="PEFT LoRA r16 on a bitsandbytes NF4 base")
     parser.add_argument("--device", default="cuda", help="cpu: a smoke test of the code paths (use --models tiny)")
     parser.add_argument("--lce-chunk-mib", type=int, default=0,
                         help="foak: linear_cross_entropy's chunk budget (default: its TUNING value)")
@@ -212,11 +244,12 @@ def main() -> int:
             lce.TUNING["chunk_bytes"] = args.lce_chunk_mib * 2**20
             replacements.FUSED_LOSS_CHUNK_BYTES = args.lce_chunk_mib * 2**20  # what the patched model uses
         result = run_one(*args.one, checkpointing=args.checkpointing, packed=args.packed, device=args.device,
-                         profile=args.profile, autocast=args.autocast, lora=args.lora)
+                         profile=args.profile, autocast=args.autocast, lora=args.lora, qlora=args.qlora)
         print("RESULT " + json.dumps(result), flush=True)
         return 0
     flags = [f for f, on in (("--checkpointing", args.checkpointing), ("--packed", args.packed),
-                             ("--autocast", args.autocast), ("--lora", args.lora), ("--profile", args.profile)) if on]
+                             ("--autocast", args.autocast), ("--lora", args.lora), ("--qlora", args.qlora),
+                             ("--profile", args.profile)) if on]
     if args.lce_chunk_mib:
         flags += ["--lce-chunk-mib", str(args.lce_chunk_mib)]
     rows = []
