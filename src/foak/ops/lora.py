@@ -16,10 +16,12 @@ exactly. Element ``(t, j)`` of the flattened ``[tokens, in]`` input is kept iff
 seed and the shape only, not on block sizes or devices (:func:`lora_dropout_mask` returns it; the torch
 reference computes the same bits). ``dropout_p=0`` launches no kernel.
 
-GEMMs are cuBLAS's: the up-projection is accumulated into the base output with ``addmm_`` (alpha=s),
-and in the backward ``dx = dy W + s * mask / (1 - p) * ((dy B) A)`` is one GEMM, one GEMM and one
-elementwise kernel that also writes ``dropout(x)`` (regenerated) into the memory of ``(dy B) A``, for
-``dA = s * (dy B)^T dropout(x)``; ``dB = s * dy^T h``.
+GEMMs are cuBLAS's. The rank-sized up-projection ``s * h B^T`` writes the output first and the base GEMM
+accumulates onto it (beta=1: read in the GEMM's epilogue, no separate pass over the output). In the
+backward ``dx = dy W + s * mask / (1 - p) * ((dy B) A)`` likewise: the adapter's part (``(dy B) A``, and
+with dropout one elementwise kernel applying the regenerated mask) first, then the base GEMM onto it;
+``dA = s * (dy B)^T dropout(x)`` (the mask regenerated once more), ``dB = s * dy^T h``. Under a dtype
+mismatch (fp32 adapters on a bf16 base outside autocast) the sums are formed as PEFT forms them.
 
 :func:`lora_linears` is the shared-input form of an attention block (q, k, v projections of one x):
 x goes to one autograd op, is saved once, and each projection keeps its own mask (PEFT draws one per
@@ -263,16 +265,50 @@ def _add_up_projection(out, h, lora_B, scaling):
     return out.add_(torch.mm(h, lora_B.t()), alpha=scaling)
 
 
+def _projection_output(x2d, weight, bias, h, lora_B, scaling, out=None):
+    """``x W^T + b + scaling * h B^T``. When h has x's dtype (under autocast, or one dtype throughout) the
+    rank-sized GEMM writes the output first and the base GEMM accumulates into it (beta=1: cuBLAS reads it
+    in its epilogue, so no separate read-modify-write pass over the output); otherwise the sum is formed in
+    the promoted dtype as PEFT's ``result + lora(x) * scaling``."""
+    if h.dtype == x2d.dtype and lora_B.dtype == x2d.dtype:
+        hs = h if scaling == 1.0 else h * scaling  # [tokens, r]
+        res = torch.mm(hs, lora_B.t(), out=out) if bias is None else torch.addmm(bias, hs, lora_B.t(), out=out)
+        return res.addmm_(x2d, _dense(weight, x2d.dtype).t())
+    res = _add_up_projection(_base(x2d, weight, bias), h, lora_B, scaling)
+    if out is not None:
+        return out.copy_(res)
+    return res
+
+
 def _base(x2d, weight, bias, out=None):
     w = _dense(weight, x2d.dtype)
     return torch.mm(x2d, w.t(), out=out) if bias is None else torch.addmm(bias, x2d, w.t(), out=out)
 
 
-def _input_grad_base(dys, weights):
-    dx = torch.mm(dys[0], _dense(weights[0], dys[0].dtype))
-    for dy, weight in zip(dys[1:], weights[1:]):
-        dx.addmm_(dy, _dense(weight, dy.dtype))
+def _add_input_grad_base(dx, dys, weights):
+    """dx += sum_i dy_i W_i (dx None: a new tensor); each base GEMM accumulates in its epilogue."""
+    for dy, weight in zip(dys, weights):
+        w = _dense(weight, dy.dtype)
+        dx = torch.mm(dy, w) if dx is None else dx.addmm_(dy, w)
     return dx
+
+
+def _adapter_input_grad(dx, g, lora_A, x2d, seed, p, dtype, want_xd):
+    """dx += mask / (1 - p) * (g A) (dx None: a new tensor of ``dtype``). Returns (dx, dropout(x) or None):
+    with ``want_xd`` and p > 0 the dropped-out input for dA, regenerated from the seed."""
+    if p == 0:
+        if dx is not None:
+            _add_down_grad(dx, g, lora_A)
+            return dx, None
+        dxa = torch.mm(g, lora_A)
+        return (dxa if dxa.dtype == dtype else dxa.to(dtype)), None
+    dxa = torch.mm(g, lora_A)
+    if dx is not None:
+        _dropout_backward_op(x2d, dxa, dx, seed, p, want_xd)  # dxa then holds dropout(x) when want_xd
+        return dx, (dxa if want_xd else None)
+    dx = _dropout_op(dxa, seed, p, dtype)  # the mask applies to g A as to x: same positions
+    del dxa
+    return dx, (_dropout_op(x2d, seed, p, lora_A.dtype) if want_xd else None)
 
 
 def _saveable(tensors):
@@ -297,7 +333,7 @@ class _LoRALinearFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x2d, weight, bias, lora_A, lora_B, scaling, dropout_p, seed):
         h = torch.mm(_adapter_input(x2d, lora_A.dtype, dropout_p, seed), lora_A.t())
-        out = _add_up_projection(_base(x2d, weight, bias), h, lora_B, scaling)
+        out = _projection_output(x2d, weight, bias, h, lora_B, scaling)
         saved, ctx.quantized = _saveable([x2d, weight, lora_A, lora_B, h, seed])
         ctx.save_for_backward(*saved)
         ctx.scaling, ctx.dropout_p = scaling, dropout_p
@@ -314,31 +350,27 @@ class _LoRALinearFunction(torch.autograd.Function):
 
 
 def _projection_backward(x2d, dout, weight, lora_A, lora_B, h, seed, scaling, p, need_x, need_A, need_B,
-                         dx=None):
-    """(dx, dA, dB) of one projection; with ``dx`` given, its input gradient is accumulated into it."""
+                         dx=None, base=True):
+    """(dx, dA, dB) of one projection. The adapter's part of dx comes first and the base GEMM accumulates
+    onto it (``base=False``: the caller adds the base part); with ``dx`` given, it is accumulated into it."""
     adapter_dtype = lora_A.dtype
     dy_a = dout if dout.dtype == adapter_dtype else dout.to(adapter_dtype)
     dB = torch.mm(dy_a.t(), h).mul_(scaling) if need_B else None
     dA = None
-    if need_x and dx is None:
-        dx = torch.mm(dout, _dense(weight, dout.dtype))
     if need_x or need_A:
         g = torch.mm(dy_a, lora_B).mul_(scaling)  # gradient of h (scaling included)
         xa = None
-        if p > 0:
-            if need_x:
-                dxa = torch.mm(g, lora_A)
-                _dropout_backward_op(x2d, dxa, dx, seed, p, need_A)  # dxa now holds dropout(x)
-                xa = dxa
-            elif need_A:
-                xa = _dropout_op(x2d, seed, p, adapter_dtype)
-        else:
-            if need_x:
-                _add_down_grad(dx, g, lora_A)
-            if need_A:
-                xa = x2d if x2d.dtype == adapter_dtype else x2d.to(adapter_dtype)
+        if need_x:
+            dx, xa = _adapter_input_grad(dx, g, lora_A, x2d, seed, p, dout.dtype, need_A)
+            if base:
+                dx = _add_input_grad_base(dx, [dout], [weight])
         if need_A:
+            if xa is None:
+                xa = (_dropout_op(x2d, seed, p, adapter_dtype) if p > 0
+                      else x2d if x2d.dtype == adapter_dtype else x2d.to(adapter_dtype))
             dA = torch.mm(g.t(), xa)
+    elif need_x and base:
+        dx = _add_input_grad_base(dx, [dout], [weight])
     return dx, dA, dB
 
 
@@ -364,10 +396,7 @@ class _LoRALinearsFunction(torch.autograd.Function):
             # each output is allocated in its final shape, so that it is not a view (a consumer may then
             # reuse its memory for its gradient: foak.ops._inplace)
             out = x2d.new_empty((*lead, weight.shape[0]))
-            out2d = out.view(-1, weight.shape[0])
-            result = _add_up_projection(_base(x2d, weight, bias, out=out2d), h, lora_B, s)
-            if result is not out2d:
-                out2d.copy_(result)
+            _projection_output(x2d, weight, bias, h, lora_B, s, out=out.view(-1, weight.shape[0]))
             outs.append(out)
         ctx.meta = meta
         saved, ctx.quantized = _saveable(list(tensors))
@@ -391,7 +420,7 @@ class _LoRALinearsFunction(torch.autograd.Function):
         projections = _unflatten(ctx.meta, tensors)
         need_x = ctx.needs_input_grad[0]
         flags = _needs_per_projection(ctx.meta, ctx.needs_input_grad[2:])
-        dx = _input_grad_base(douts, [proj[0] for proj in projections]) if need_x else None
+        dx = None  # the adapters' parts first, then every base GEMM accumulates onto them
         grads_A, grads_B = [], []
         if stacked:
             h_all = saved[1]
@@ -405,7 +434,7 @@ class _LoRALinearsFunction(torch.autograd.Function):
             g_all = torch.cat(gs, dim=1)
             a_all = torch.cat([proj[2] for proj in projections])
             if need_x:
-                _add_down_grad(dx, g_all, a_all)
+                dx, _ = _adapter_input_grad(None, g_all, a_all, x2d, None, 0.0, douts[0].dtype, False)
             if any(need_A for need_A, _ in flags):
                 xa = x2d if x2d.dtype == a_all.dtype else x2d.to(a_all.dtype)
                 dA_all = torch.mm(g_all.t(), xa)
@@ -416,10 +445,12 @@ class _LoRALinearsFunction(torch.autograd.Function):
         else:
             for (weight, bias, lora_A, lora_B, seed), dy, h, s, p, (need_A, need_B) in zip(
                     projections, douts, saved[1:1 + n], scalings, dropout_ps, flags):
-                _, dA, dB = _projection_backward(x2d, dy, weight, lora_A, lora_B, h, seed, s, p, need_x, need_A,
-                                                 need_B, dx=dx)
+                dx, dA, dB = _projection_backward(x2d, dy, weight, lora_A, lora_B, h, seed, s, p, need_x, need_A,
+                                                  need_B, dx=dx, base=False)
                 grads_A.append(dA)
                 grads_B.append(dB)
+        if need_x:
+            dx = _add_input_grad_base(dx, douts, [proj[0] for proj in projections])
         grads = []
         for (weight, bias, lora_A, lora_B, seed), dA, dB in zip(projections, grads_A, grads_B):
             grads += [None] + ([None] if bias is not None else []) + [dA, dB] + ([None] if seed is not None else [])

@@ -7,8 +7,8 @@ The backward forms the gradient of ``h``,
 
     dh = dy W + s * mask / (1 - p) * ((dy B) A)
 
-(one GEMM, one rank-sized GEMM pair, and with dropout one elementwise kernel that applies the
-regenerated mask), then one GLU kernel reads ``dh, g, u`` and writes ``dg, du`` and ``h`` itself (into
+(a rank-sized GEMM pair, with dropout one elementwise kernel that applies the regenerated mask, then the
+base GEMM accumulating onto it), then one GLU kernel reads ``dh, g, u`` and writes ``dg, du`` and ``h`` itself (into
 ``dh``'s memory), and ``dA = s * (dy B)^T dropout(h)`` (the mask regenerated once more), ``dB = s * dy^T (dropout(h) A^T)``. The base is frozen; ``weight`` is a dense tensor or a
 quantized weight (see foak.ops.lora). Semantics (dtypes, autocast, dropout mask, scaling) are
 :func:`foak.ops.lora.lora_linear`'s for the input ``h``: PEFT's ``lora.Linear`` over ``act(g) * u``.
@@ -23,14 +23,12 @@ from foak.ops._custom_op import custom_op
 from foak.ops._inplace import can_overwrite, claim
 from foak.ops.activations import _backward_launch, _glu_forward_op, check_glu_inputs, glu_reference
 from foak.ops.lora import (
-    _add_down_grad,
-    _add_up_projection,
+    _add_input_grad_base,
     _adapter_input,
-    _base,
-    _dense,
-    _dropout_backward_op,
+    _adapter_input_grad,
     _dropout_op,
     _prepare_projection,
+    _projection_output,
     _quantized_result,
     _restore,
     _saveable,
@@ -71,7 +69,7 @@ class _LoRAGLULinearFunction(torch.autograd.Function):
         xa = _adapter_input(h2d, lora_A.dtype, dropout_p, seed)
         small = torch.mm(xa, lora_A.t())
         del xa
-        out = _add_up_projection(_base(h2d, weight, bias), small, lora_B, scaling)
+        out = _projection_output(h2d, weight, bias, small, lora_B, scaling)
         saved, ctx.quantized = _saveable([g, u, weight, lora_A, lora_B, small, seed])
         ctx.save_for_backward(*saved)
         ctx.scaling, ctx.dropout_p, ctx.activation, ctx.inplace = scaling, dropout_p, activation, inplace
@@ -92,14 +90,10 @@ class _LoRAGLULinearFunction(torch.autograd.Function):
         dy_a = dy if dy.dtype == adapter_dtype else dy.to(adapter_dtype)
         dB = torch.mm(dy_a.t(), small).mul_(s) if need_B else None
         gd = torch.mm(dy_a, lora_B).mul_(s)  # gradient of the rank-sized product (scaling included)
-        dh = torch.mm(dy, _dense(weight, dy.dtype))  # fresh and contiguous [tokens, intermediate]
         g2d, u2d = g.view(-1, g.shape[-1]), u.view(-1, u.shape[-1])
-        if p > 0:
-            dha = torch.mm(gd, lora_A)
-            _dropout_backward_op(g2d, dha, dh, seed, p, False)  # dh += mask / (1 - p) * dha
-            del dha
-        else:
-            _add_down_grad(dh, gd, lora_A)
+        # the adapter's part (masked) first, then the base GEMM accumulates onto it: dh is fresh and contiguous
+        dh, _ = _adapter_input_grad(None, gd, lora_A, g2d, seed, p, dy.dtype, False)
+        dh = _add_input_grad_base(dh, [dy], [weight])
         if ctx.inplace:
             # eager only: each thread reads dh[i], g[i], u[i] before writing dg[i], du[i], h[i] over them
             _backward_launch(dh, g2d, u2d, g2d, u2d, ctx.activation, h=dh)
