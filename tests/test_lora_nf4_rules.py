@@ -133,3 +133,38 @@ def test_base_layer_setting_is_checked_against_the_model(saved_tiny):
     gptq = {"peft": {"quantization": {"fused_ops_and_kernels": {"fused_lora": True, "base_layer": "gptq"}}}}
     with pytest.raises(ValueError, match="gptq .* not implemented yet"):
         foak.patch(model, gptq)
+
+
+def test_lora_ops_take_an_nf4_weight_as_its_dense_dequantization():
+    """foak.lora_linear / lora_glu_linear with an NF4Weight equal the same ops on the dense dequantized
+    weight (fp32 compute), and say what to do when the compute dtype does not fit."""
+    import bitsandbytes.functional as bnbf
+
+    from foak.ops.nf4 import NF4Weight
+
+    gen = torch.Generator().manual_seed(8)
+    w = torch.randn(37, 130, generator=gen)
+    packed, state = bnbf.quantize_4bit(w, blocksize=64, quant_type="nf4", compress_statistics=True)
+    nf4 = NF4Weight(packed, state.absmax, tuple(state.shape), torch.float32, code=state.code,
+                    nested_absmax=state.state2.absmax, nested_code=state.state2.code, offset=state.offset)
+    dense = bnbf.dequantize_4bit(packed, state)
+    a, b = torch.randn(5, 130, generator=gen) * 0.1, torch.randn(37, 5, generator=gen) * 0.1
+    x = torch.randn(2, 3, 130, generator=gen)
+    dy = torch.randn(2, 3, 37, generator=gen)
+    for p in (0.0, 0.2):
+        outs = []
+        for weight in (nf4, dense):
+            xl, al, bl = (t.clone().requires_grad_() for t in (x, a, b))
+            out = foak.lora_linear(xl, weight, None, al, bl, 1.5, dropout_p=p, seed=3)
+            outs.append((out, *torch.autograd.grad(out, (xl, al, bl), dy)))
+        for ours, ref in zip(*outs):
+            assert torch.allclose(ours, ref, rtol=1e-6, atol=1e-6)
+    g, u = torch.randn(4, 130, generator=gen), torch.randn(4, 130, generator=gen)
+    assert torch.allclose(foak.lora_glu_linear(g, u, nf4, None, a, b, 1.5),
+                          foak.lora_glu_linear(g, u, dense, None, a, b, 1.5), rtol=1e-6, atol=1e-6)
+    with pytest.raises(ValueError, match="compute dtype of the quantized base"):
+        foak.lora_linear(x.bfloat16(), nf4, None, a.bfloat16(), b.bfloat16(), 1.0)
+    with torch.autocast("cpu", dtype=torch.bfloat16), pytest.raises(ValueError, match="quantized base computes in"):
+        foak.lora_linear(x, nf4, None, a, b, 1.0)
+    with pytest.raises(ValueError, match="quantized weight with shape"):
+        foak.lora_linear(x, object(), None, a, b, 1.0)
