@@ -153,8 +153,42 @@ def test_fast_swiglu_and_fused_lora_compose_on_one_mlp(monkeypatch, dropout):
         assert_same_training(model, ref)
     assert seen.count("lora_linears") == seen.count("lora_glu_linear") == LAYERS * (2 if dropout else 1)
     assert "replacements.glu" not in seen and "glu_linear" not in seen
-    assert calls(report)[1] == {} and f"forwards as fused LoRA MLP blocks" in report.result("llama.swiglu").notes
+    forwards = LAYERS * (2 if dropout else 1)
+    assert calls(report)[1] == {} and report.result("llama.swiglu").notes == \
+        f"{forwards} forwards as fused LoRA MLP blocks"
     assert calls(report)[0] == 3 * LAYERS * (2 if dropout else 1)  # this model's forwards (1 or 2)
+
+
+@pytest.mark.parametrize("dropout", [0.0, 0.2])
+def test_q_k_v_run_as_one_block(monkeypatch, dropout):
+    """fused_lora's attention block: q, k, v as one lora_linears call (the model's own attention forward
+    receives its outputs), equal to PEFT without dropout and to the per-layer fused path with dropout."""
+    from foak.models import rules_for
+    from foak.patching import peft as peft_rules
+    from foak.patching.rules import apply
+
+    ref = peft_llama(ATTENTION, lora_dropout=dropout)
+    model, report = patched_pair(ref, fused_lora=True, fast_rope_embeddings=True)
+    assert report.result("llama.fused_lora_qkv").modules == LAYERS
+    seen = []
+    real = peft_rules.lora_linears
+    monkeypatch.setattr(peft_rules, "lora_linears", lambda *a, **k: seen.append(len(a[1])) or real(*a, **k))
+    if dropout:
+        per_layer = copy.deepcopy(ref)
+        _PATCHED.append(per_layer)
+        apply(per_layer, [r for r in rules_for(per_layer) if r.switch in ("lora", "rope") and "qkv" not in r.id])
+        torch.manual_seed(5)
+        loss, grads = loss_and_grads(model)
+        torch.manual_seed(5)
+        ref_loss, ref_grads = loss_and_grads(per_layer)
+        assert_close(loss, ref_loss, "loss")
+        for name, g in grads.items():
+            assert_close(g, ref_grads[name], f"grad of {name}")
+    else:
+        assert_same_training(model, ref)
+    assert seen == [3] * LAYERS
+    assert calls(report) == (LAYERS * 4, {})
+    assert report.result("llama.fused_lora_qkv").notes == f"{LAYERS} forwards with q/k/v as one fused LoRA block"
 
 
 def test_dropout_uses_the_modules_p_in_training_and_none_in_eval(monkeypatch):
@@ -169,7 +203,14 @@ def test_dropout_uses_the_modules_p_in_training_and_none_in_eval(monkeypatch):
         ps.append(dropout_p)
         return real(*args, dropout_p=dropout_p, **kwargs)
 
+    real_block = peft_rules.lora_linears
+
+    def recording_block(x, projections):
+        ps.extend(proj[5] for proj in projections)
+        return real_block(x, projections)
+
     monkeypatch.setattr(peft_rules, "lora_linear", recording)
+    monkeypatch.setattr(peft_rules, "lora_linears", recording_block)  # the q/k/v block
     model.eval(), ref.eval()  # PEFT's nn.Dropout is the identity: the two runs are the same math
     assert_same_training(model, ref)
     assert ps == [0.0] * (LAYERS * 7)

@@ -92,7 +92,7 @@ def test_lora_default_config_runs_foaks_fused_lora_and_saves_an_adapter(tmp_path
         assert out.count(f"llama.{rule} ") == 2, rule  # the report is printed before and after training
     # 7 target modules x 2 layers, one forward each per step, all on foak's op
     assert summary["fused_lora"] == {"modules": 14, "fused": 28, "peft_path": 0, "peft_path_reasons": {},
-                                     "notes": "fused 28 calls"}
+                                     "notes": "4 forwards with q/k/v as one fused LoRA block; fused 28 calls"}
     assert "after training:" in out and "fused 28 calls" in out.split("after training:")[1]
     assert "fused 28 calls" in summary["patch_report"]
     assert torch.isfinite(torch.tensor(summary["final_loss"]))

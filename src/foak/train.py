@@ -262,7 +262,8 @@ def fused_lora_calls(report) -> dict | None:
         fused += row_fused
         for why, n in row_reasons.items():
             reasons[why] = reasons.get(why, 0) + n
-    return {"modules": sum(r.modules for r in rows), "fused": fused, "peft_path": sum(reasons.values()),
+    layer_rows = [r for r in rows if r.rule_id.endswith(".fused_lora")]  # not the q/k/v block rows
+    return {"modules": sum(r.modules for r in layer_rows), "fused": fused, "peft_path": sum(reasons.values()),
             "peft_path_reasons": reasons, "notes": "; ".join(r.notes for r in rows if r.notes)}
 
 

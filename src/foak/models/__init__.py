@@ -43,6 +43,12 @@ def rules_for(model):
             f"{', ...' if len(classes) > 12 else ''}) could be covered by adding foak/models/{model_type}.py "
             "with the rule factories of foak.patching.replacements."
         )
-    from foak.patching.peft import lora_linear_rule  # architecture-independent: PEFT's LoRA layers
+    from foak.patching.peft import lora_attention_rule, lora_linear_rule  # PEFT's LoRA layers
 
-    return [*importlib.import_module(ARCHITECTURES[model_type]).rules(), lora_linear_rule(model_type)]
+    rules = importlib.import_module(ARCHITECTURES[model_type]).rules()
+    # the LoRA q/k/v block wraps the attention forward inside the RoPE rule's wrapper (which casts the input
+    # once under autocast): it comes before it in the list (a later rule wraps an earlier rule's forward)
+    rope = next((i for i, r in enumerate(rules) if r.switch == "rope"), None)
+    if rope is not None:
+        rules.insert(rope, lora_attention_rule(model_type, rules[rope].trigger.module_class))
+    return [*rules, lora_linear_rule(model_type)]

@@ -208,6 +208,62 @@ def count_fused(module: nn.Module) -> None:
     _FUSED_LAYERS[module].count(None)
 
 
+# q/k/v outputs that an attention block computed as one lora_linears call, each waiting for its projection's
+# own call with the same input tensor (then returned, and counted as that layer's fused call)
+_PREFETCHED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+QKV = ("q_proj", "k_proj", "v_proj")
+
+
+def lora_attention_rule(arch: str, attention_class: type) -> Rule:
+    """fused_lora's attention block: when the q, k and v projections of an attention module are layers the
+    fused_lora rule patched and each would be fused for the module's input, they run as one
+    ``lora_linears`` call (x read and saved once, one input gradient, one mask per projection; without
+    dropout one GEMM for the three down-projections). The attention forward itself is the model's own: its
+    ``q_proj(hidden_states)`` calls receive the block's outputs (matched by the input tensor's identity).
+    A block output its projection did not ask for would be wasted work: it is counted in the row."""
+    rule_id = f"{arch}.fused_lora_qkv"
+
+    def skip_reason(model):
+        if _lora_layer_module() is None:
+            return "peft is not imported: the model has no PEFT LoRA layers"
+        return None
+
+    def patch(module, model, state):
+        original_forward = module.forward
+        row = state.result
+        counts = row.__dict__.setdefault("block_counts", {"blocks": 0, "unused": 0})  # one per row, all modules
+        projections = [getattr(module, name) for name in QKV]
+
+        @functools.wraps(original_forward)
+        def forward(*args, **kwargs):
+            x = args[0] if args else kwargs.get("hidden_states")
+            if torch.compiler.is_compiling() or not isinstance(x, torch.Tensor):
+                return original_forward(*args, **kwargs)
+            specs = [fused_projection(m, x) for m in projections]
+            if any(spec is None for spec in specs):
+                return original_forward(*args, **kwargs)
+            for m, out in zip(projections, lora_linears(x, specs)):
+                _PREFETCHED[m] = (x, out)
+            try:
+                return original_forward(*args, **kwargs)
+            finally:
+                unused = sum(_PREFETCHED.pop(m, None) is not None for m in projections)
+                counts["blocks"] += 1
+                counts["unused"] += unused
+                text = f"{counts['blocks']} forwards with q/k/v as one fused LoRA block"
+                if counts["unused"]:
+                    text += (f"; {counts['unused']} block outputs were not asked for by their projection (the "
+                             "attention forward projected another tensor): wasted work, disable fused_lora_qkv")
+                row.note_runtime("blocks", text)
+
+        return forward
+
+    def is_lora_attention(m, model):
+        return all(_fusable_layer(getattr(m, name, None)) for name in QKV)
+
+    return Rule(rule_id, "lora", Trigger(attention_class, predicate=is_lora_attention), patch, skip_reason)
+
+
 def lora_glu_mlp(gate: nn.Module, up: nn.Module, down: nn.Module, x: torch.Tensor, activation: str):
     """``down(act(gate(x)) * up(x))`` with the fused_lora layers among the three computed as blocks: gate and
     up by one ``lora_linears`` (x read once, each its own dropout mask), down by ``lora_glu_linear`` (the
@@ -251,6 +307,11 @@ def lora_linear_rule(arch: str) -> Rule:
 
         @functools.wraps(original_forward)
         def forward(x, *args, **kwargs):
+            entry = _PREFETCHED.get(module)  # computed by a block op (q/k/v) for exactly this input
+            if entry is not None and entry[0] is x and not args and not kwargs:
+                del _PREFETCHED[module]
+                counts.count(None)
+                return entry[1]
             reason = _fallback_reason(module, x, args, kwargs)
             counts.count(reason)
             if reason is not None:

@@ -118,7 +118,8 @@ def glu_mlp_rule(arch: str, mlp_class: type) -> Rule:
     def patch(module, model, state):
         activation = GLU_ACTIVATIONS[_hidden_act(model)]
         lora_mlp = _lora_glu_mlp(module)
-        row, blocks = state.result, [0]
+        row = state.result
+        blocks = row.__dict__.setdefault("block_counts", [0])  # one count per row, summed over its modules
 
         def forward(x):
             down = module.down_proj
