@@ -321,6 +321,11 @@ def _restore(saved, quantized):
     return [quantized.get(i, t) for i, t in enumerate(saved)]
 
 
+def _scaled(t, scaling):
+    """t * scaling in place (no kernel for the usual scaling 1, lora_alpha == r)."""
+    return t if scaling == 1.0 else t.mul_(scaling)
+
+
 def _add_down_grad(dx, g, lora_A):
     """dx += g A (no dropout)."""
     if dx.dtype == lora_A.dtype:
@@ -355,10 +360,10 @@ def _projection_backward(x2d, dout, weight, lora_A, lora_B, h, seed, scaling, p,
     onto it (``base=False``: the caller adds the base part); with ``dx`` given, it is accumulated into it."""
     adapter_dtype = lora_A.dtype
     dy_a = dout if dout.dtype == adapter_dtype else dout.to(adapter_dtype)
-    dB = torch.mm(dy_a.t(), h).mul_(scaling) if need_B else None
+    dB = _scaled(torch.mm(dy_a.t(), h), scaling) if need_B else None
     dA = None
     if need_x or need_A:
-        g = torch.mm(dy_a, lora_B).mul_(scaling)  # gradient of h (scaling included)
+        g = _scaled(torch.mm(dy_a, lora_B), scaling)  # gradient of h (scaling included)
         xa = None
         if need_x:
             dx, xa = _adapter_input_grad(dx, g, lora_A, x2d, seed, p, dout.dtype, need_A)
@@ -429,8 +434,8 @@ class _LoRALinearsFunction(torch.autograd.Function):
             for (weight, bias, lora_A, lora_B, seed), dy, h, s, (need_A, need_B) in zip(
                     projections, douts, hs, scalings, flags):
                 dy_a = dy if dy.dtype == lora_A.dtype else dy.to(lora_A.dtype)
-                grads_B.append(torch.mm(dy_a.t(), h).mul_(s) if need_B else None)
-                gs.append(torch.mm(dy_a, lora_B).mul_(s))
+                grads_B.append(_scaled(torch.mm(dy_a.t(), h), s) if need_B else None)
+                gs.append(_scaled(torch.mm(dy_a, lora_B), s))
             g_all = torch.cat(gs, dim=1)
             a_all = torch.cat([proj[2] for proj in projections])
             if need_x:

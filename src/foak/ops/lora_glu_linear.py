@@ -32,6 +32,7 @@ from foak.ops.lora import (
     _quantized_result,
     _restore,
     _saveable,
+    _scaled,
     _seed_tensor,
     lora_linear_reference,
 )
@@ -88,8 +89,8 @@ class _LoRAGLULinearFunction(torch.autograd.Function):
         dy = dout.reshape(-1, dout.shape[-1])
         adapter_dtype = lora_A.dtype
         dy_a = dy if dy.dtype == adapter_dtype else dy.to(adapter_dtype)
-        dB = torch.mm(dy_a.t(), small).mul_(s) if need_B else None
-        gd = torch.mm(dy_a, lora_B).mul_(s)  # gradient of the rank-sized product (scaling included)
+        dB = _scaled(torch.mm(dy_a.t(), small), s) if need_B else None
+        gd = _scaled(torch.mm(dy_a, lora_B), s)  # gradient of the rank-sized product (scaling included)
         g2d, u2d = g.view(-1, g.shape[-1]), u.view(-1, u.shape[-1])
         # the adapter's part (masked) first, then the base GEMM accumulates onto it: dh is fresh and contiguous
         dh, _ = _adapter_input_grad(None, gd, lora_A, g2d, seed, p, dy.dtype, False)
