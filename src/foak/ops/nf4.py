@@ -164,20 +164,22 @@ def _tensor(name: str, t, dtype: torch.dtype, device: torch.device, numel: int |
         raise ValueError(f"{_OP}: {name} is on {t.device} but packed is on {device}; move it to {device}")
     if numel is not None and t.numel() != numel:
         raise ValueError(f"{_OP}: {name} has {t.numel()} elements; expected {numel}. {hint}")
-    flat = t.reshape(-1)
+    flat = t if t.dim() == 1 else t.reshape(-1)  # (reshape costs a few microseconds per call)
     return flat if flat.is_contiguous() else flat.contiguous()
 
 
 def _prepare(packed, absmax, shape, dtype, code, blocksize, nested_absmax, nested_code, nested_blocksize, offset):
     """Validate, and return the arguments flattened and contiguous (offset as a 1-element fp32 tensor)."""
-    if isinstance(shape, torch.Size) or (isinstance(shape, Sequence) and not isinstance(shape, str)):
-        shape = tuple(shape)
-    if not isinstance(shape, tuple) or not all(isinstance(s, numbers.Integral) and s >= 0 for s in shape):
+    if isinstance(shape, (tuple, list)) or (isinstance(shape, Sequence) and not isinstance(shape, str)):
+        shape = tuple(shape)  # (torch.Size is a tuple)
+    if not isinstance(shape, tuple) or not all((type(s) is int or isinstance(s, numbers.Integral)) and s >= 0
+                                               for s in shape):
         raise ValueError(f"{_OP}: shape must be a sequence of non-negative ints (the weight's shape), got {shape!r}")
     shape = tuple(int(s) for s in shape)
     if dtype not in OUTPUT_DTYPES:
         raise ValueError(f"{_OP}: dtype must be one of torch.float32, torch.bfloat16, torch.float16; got {dtype!r}")
-    if isinstance(blocksize, bool) or not isinstance(blocksize, numbers.Integral) or blocksize not in BLOCKSIZES:
+    if type(blocksize) is not int and (isinstance(blocksize, bool) or not isinstance(blocksize, numbers.Integral)) \
+            or blocksize not in BLOCKSIZES:
         raise ValueError(f"{_OP}: blocksize must be one of {BLOCKSIZES} (bitsandbytes' quant_state.blocksize), "
                          f"got {blocksize!r}")
     blocksize = int(blocksize)
@@ -202,7 +204,8 @@ def _prepare(packed, absmax, shape, dtype, code, blocksize, nested_absmax, neste
                              f"{'is' if len(missing) == 1 else 'are'} missing: pass nested_absmax="
                              "quant_state.state2.absmax, nested_code=quant_state.state2.code, "
                              "nested_blocksize=quant_state.state2.blocksize and offset=quant_state.offset")
-        if isinstance(nested_blocksize, bool) or not isinstance(nested_blocksize, numbers.Integral) \
+        if type(nested_blocksize) is not int and (isinstance(nested_blocksize, bool)
+                                                  or not isinstance(nested_blocksize, numbers.Integral)) \
                 or nested_blocksize <= 0:
             raise ValueError(f"{_OP}: nested_blocksize must be a positive int (quant_state.state2.blocksize), "
                              f"got {nested_blocksize!r}")
