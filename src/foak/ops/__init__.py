@@ -6,6 +6,14 @@ not re-exported here, so those module names keep pointing at the modules."""
 
 from foak.ops.activations import geglu, geglu_reference, glu, glu_reference, swiglu, swiglu_reference
 from foak.ops.glu_linear import glu_linear, glu_linear_reference
+from foak.ops.gptq import (
+    GPTQWeight,
+    gptq_dequantize,
+    gptq_dequantize_reference,
+    gptq_error_report,
+    gptq_group_index,
+    gptq_quantize_rtn,
+)
 from foak.ops.lora import lora_dropout_mask, lora_linear, lora_linear_reference, lora_linears
 from foak.ops.lora_glu_linear import lora_glu_linear, lora_glu_linear_reference
 from foak.ops.nf4 import NF4Weight, nf4_dequantize, nf4_dequantize_reference
@@ -13,6 +21,7 @@ from foak.ops.rms_norm import rms_norm, rms_norm_reference
 from foak.ops.rope import rope, rope_reference
 
 __all__ = [
+    "GPTQWeight",
     "NF4Weight",
     "geglu",
     "geglu_reference",
@@ -20,6 +29,11 @@ __all__ = [
     "glu_linear",
     "glu_linear_reference",
     "glu_reference",
+    "gptq_dequantize",
+    "gptq_dequantize_reference",
+    "gptq_error_report",
+    "gptq_group_index",
+    "gptq_quantize_rtn",
     "lora_dropout_mask",
     "lora_glu_linear",
     "lora_glu_linear_reference",
