@@ -1,0 +1,492 @@
+"""GPTQ 4-bit models without a GPTQ library: a linear layer, a round-to-nearest model quantizer, and a
+checkpoint writer and loader for the "gptq" (v1) and "gptq_v2" safetensors layouts.
+
+- :class:`GPTQLinear` holds the packed tensors as buffers under the names GPTQ checkpoints use (``qweight``,
+  ``qzeros``, ``scales``, ``g_idx``, plus a frozen ``bias``) and computes ``x W^T + b`` by dequantizing ``W``
+  with :mod:`foak.ops.gptq` in the forward and again in the backward (no dense weight is kept in between).
+- :func:`quantize_model_gptq` replaces a model's ``nn.Linear`` layers by GPTQLinear (round to nearest, no
+  calibration data) and records the ``quantization_config``; :func:`gptq_error_report_model` gives the
+  per-layer relative error of the dequantized weights.
+- :func:`save_gptq` writes ``config.json`` (with the ``quantization_config``) and ``model.safetensors``;
+  :func:`load_gptq` reads such a directory (sharded ones too) and builds the model with its parameters on the
+  meta device first, so no dense weight of a quantized layer is ever allocated. It refuses, with a
+  ValueError, what it cannot read exactly: other methods or bit widths, repacked formats (marlin, exllama,
+  ...), per-module ("dynamic") configs, missing or unexpected tensors and shapes that do not match the model.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+from contextlib import contextmanager
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from foak.ops.gptq import GPTQWeight, gptq_error_report, gptq_group_index, gptq_quantize_rtn
+
+BITS = 4
+PACK = 8
+CHECKPOINT_FORMATS = {"gptq": 1, "gptq_v2": 0}  # format -> zero_offset
+COMPUTE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+SCALE_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+BUFFER_NAMES = ("qweight", "qzeros", "scales", "g_idx")
+SAFETENSORS_NAME = "model.safetensors"
+SAFETENSORS_INDEX_NAME = "model.safetensors.index.json"
+
+
+def _n_groups(in_features: int, group_size: int) -> int:
+    return 1 if group_size == -1 else -(-in_features // group_size)
+
+
+# 1. the layer -------------------------------------------------------------------------------------
+class _GPTQLinearFunction(torch.autograd.Function):
+    """y = x W^T + b with W dequantized from a GPTQWeight; the backward dequantizes again for dx."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, compute_dtype):
+        ctx.weight = weight
+        ctx.compute_dtype = compute_dtype
+        ctx.bias_grad = bias is not None and ctx.needs_input_grad[2]
+        return F.linear(x, weight.dequantize(compute_dtype), bias)
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        grad_x = grad_bias = None
+        if ctx.needs_input_grad[0]:
+            grad_x = grad_out.matmul(ctx.weight.dequantize(ctx.compute_dtype))
+        if ctx.bias_grad:
+            grad_bias = grad_out.reshape(-1, grad_out.shape[-1]).sum(0)
+        return grad_x, None, grad_bias, None
+
+
+class GPTQLinear(nn.Module):
+    """A linear layer with a frozen GPTQ 4-bit weight (see :mod:`foak.ops.gptq` for the format).
+
+    Buffers (the names of GPTQ checkpoints): ``qweight`` int32 ``[in/8, out]``, ``qzeros`` int32
+    ``[groups, out/8]``, ``scales`` ``[groups, out]`` (fp16, bf16 or fp32), ``g_idx`` int32 ``[in]``; ``bias``
+    is an optional parameter with ``requires_grad=False``. ``zero_offset`` is 1 for "gptq" (v1) checkpoints and
+    0 for "gptq_v2"; ``compute_dtype`` is the dtype the weight dequantizes to and the GEMM runs in (the input
+    is cast to it, the output back to the input's dtype). ``module.to(dtype)`` changes ``compute_dtype`` and the
+    bias but leaves ``scales`` in their stored dtype, so the weight's values never change.
+    """
+
+    bits = BITS
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = False, *, group_size: int = 128,
+                 zero_offset: int = 1, compute_dtype: torch.dtype = torch.bfloat16,
+                 scales_dtype: torch.dtype = torch.float16, device=None):
+        super().__init__()
+        for name, value in (("in_features", in_features), ("out_features", out_features)):
+            if not isinstance(value, int) or value <= 0 or value % PACK:
+                raise ValueError(f"GPTQLinear: {name} must be a positive multiple of 8 (GPTQ packs eight 4-bit "
+                                 f"values per int32), got {value!r}")
+        if not isinstance(group_size, int) or not (group_size == -1 or group_size > 0):
+            raise ValueError(f"GPTQLinear: group_size must be a positive int or -1 (one group), got {group_size!r}")
+        if zero_offset not in (0, 1):
+            raise ValueError(f"GPTQLinear: zero_offset must be 1 (\"gptq\" v1) or 0 (\"gptq_v2\"), got {zero_offset!r}")
+        if compute_dtype not in COMPUTE_DTYPES:
+            raise ValueError(f"GPTQLinear: compute_dtype must be torch.float32, torch.bfloat16 or torch.float16, "
+                             f"got {compute_dtype!r}")
+        if scales_dtype not in SCALE_DTYPES:
+            raise ValueError(f"GPTQLinear: scales_dtype must be torch.float16, torch.bfloat16 or torch.float32, "
+                             f"got {scales_dtype!r}")
+        self.in_features, self.out_features = in_features, out_features
+        self.group_size, self.zero_offset, self.compute_dtype = group_size, zero_offset, compute_dtype
+        groups = _n_groups(in_features, group_size)
+        packed = (in_features // PACK, out_features)
+        self.register_buffer("qweight", torch.zeros(packed, dtype=torch.int32, device=device))
+        self.register_buffer("qzeros", torch.zeros(groups, out_features // PACK, dtype=torch.int32, device=device))
+        self.register_buffer("scales", torch.zeros(groups, out_features, dtype=scales_dtype, device=device))
+        self.register_buffer("g_idx", gptq_group_index(in_features, group_size, device=device))
+        if bias:
+            self.bias = nn.Parameter(torch.zeros(out_features, dtype=compute_dtype, device=device), requires_grad=False)
+        else:
+            self.register_parameter("bias", None)
+        self._weight_cache = None
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear, group_size: int = 128, *, sym: bool = True, act_order: bool = False,
+                    zero_offset: int = 1) -> GPTQLinear:
+        """Round-to-nearest quantization of ``linear`` (:func:`foak.ops.gptq.gptq_quantize_rtn`); the compute
+        dtype is the linear's weight dtype; the bias is copied (frozen)."""
+        weight = linear.weight
+        compute_dtype = weight.dtype if weight.dtype in COMPUTE_DTYPES else torch.float32
+        module = cls(linear.in_features, linear.out_features, linear.bias is not None, group_size=group_size,
+                     zero_offset=zero_offset, compute_dtype=compute_dtype, device=weight.device)
+        packed = gptq_quantize_rtn(weight, group_size, sym=sym, act_order=act_order, zero_offset=zero_offset)
+        for name in BUFFER_NAMES:
+            getattr(module, name).copy_(packed[name])
+        if linear.bias is not None:
+            module.bias.data.copy_(linear.bias.detach())
+        return module
+
+    def weight_object(self) -> GPTQWeight:
+        """The frozen :class:`foak.ops.gptq.GPTQWeight` over this layer's buffers (what foak's LoRA ops take),
+        built once and rebuilt when a buffer's storage, version or the compute dtype changes."""
+        key = tuple((t.data_ptr(), t.device, t.dtype, t._version) for t in (getattr(self, n) for n in BUFFER_NAMES))
+        key += (self.compute_dtype, self.zero_offset)
+        if self._weight_cache is None or self._weight_cache[0] != key:
+            weight = GPTQWeight(self.qweight, self.qzeros, self.scales, self.g_idx, self.compute_dtype,
+                                zero_offset=self.zero_offset, bits=self.bits)
+            self._weight_cache = (key, weight)
+        return self._weight_cache[1]
+
+    def dequantize(self, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """A dense ``[out, in]`` copy of the weight (default dtype: ``compute_dtype``)."""
+        return self.weight_object().dequantize(dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.shape[-1] != self.in_features:
+            raise ValueError(f"GPTQLinear: input has {x.shape[-1]} features in its last dimension; this layer takes "
+                             f"in_features={self.in_features}")
+        bias = self.bias
+        if bias is not None and bias.dtype != self.compute_dtype:
+            bias = bias.to(self.compute_dtype)
+        y = _GPTQLinearFunction.apply(x.to(self.compute_dtype), self.weight_object(), bias, self.compute_dtype)
+        return y.to(x.dtype)
+
+    def _apply(self, fn, recurse=True):
+        # Float casts reach compute_dtype and the bias; scales keep their stored dtype (fp16 -> bf16 would
+        # change the weight) and only follow the device.
+        scales = self._buffers.pop("scales")
+        try:
+            super()._apply(fn, recurse)
+        finally:
+            moved = fn(scales)
+            if moved.dtype != scales.dtype:
+                if moved.dtype in COMPUTE_DTYPES:
+                    self.compute_dtype = moved.dtype
+                moved = scales.to(device=moved.device)
+            self._buffers["scales"] = moved
+        return self
+
+    def extra_repr(self) -> str:
+        return (f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
+                f"bits={self.bits}, group_size={self.group_size}, zero_offset={self.zero_offset}, "
+                f"compute_dtype={self.compute_dtype}")
+
+
+# 2. quantizing a model ----------------------------------------------------------------------------
+def _excluded(name: str, modules_to_not_convert) -> bool:
+    for entry in modules_to_not_convert or ():
+        if name == entry or name.endswith("." + entry) or name.startswith(entry + "."):
+            return True
+    return False
+
+
+def _replace(model: nn.Module, name: str, module: nn.Module) -> None:
+    parent_name, _, child = name.rpartition(".")
+    setattr(model.get_submodule(parent_name) if parent_name else model, child, module)
+
+
+def quantize_model_gptq(model: nn.Module, group_size: int = 128, sym: bool = True, act_order: bool = False,
+                        modules_to_not_convert=("lm_head",), *, report: dict | None = None) -> nn.Module:
+    """Replace every ``nn.Linear`` of ``model`` (in place; those named in ``modules_to_not_convert`` stay dense)
+    by a :class:`GPTQLinear` quantized to nearest (v1 "gptq" layout) and set
+    ``model.config.quantization_config``. ``report``: a dict to fill with each layer's relative error
+    ``||W - dequant||_F / ||W||_F``. Returns ``model``."""
+    if not isinstance(group_size, int) or not (group_size == -1 or group_size > 0):
+        raise ValueError(f"quantize_model_gptq: group_size must be a positive int or -1 (one group), "
+                         f"got {group_size!r}")
+    modules_to_not_convert = list(modules_to_not_convert or ())
+    targets = [(n, m) for n, m in model.named_modules()
+               if isinstance(m, nn.Linear) and not _excluded(n, modules_to_not_convert)]
+    bad = [f"{n} [{m.out_features}, {m.in_features}]" for n, m in targets
+           if m.in_features % PACK or m.out_features % PACK]
+    if bad:
+        raise ValueError(f"quantize_model_gptq: GPTQ needs in_features and out_features that are multiples of 8; "
+                         f"these linears are not: {', '.join(bad)}. Add them to modules_to_not_convert.")
+    if not targets:
+        raise ValueError("quantize_model_gptq: the model has no nn.Linear to quantize (all excluded or none present)")
+    for name, linear in targets:
+        quantized = GPTQLinear.from_linear(linear, group_size, sym=sym, act_order=act_order)
+        if report is not None:
+            report[name] = gptq_error_report(linear.weight, {n: getattr(quantized, n) for n in BUFFER_NAMES})
+        _replace(model, name, quantized)
+    config = getattr(model, "config", None)
+    if config is not None:
+        config.quantization_config = {
+            "quant_method": "gptq", "bits": BITS, "group_size": group_size, "desc_act": bool(act_order),
+            "sym": bool(sym), "checkpoint_format": "gptq", "modules_to_not_convert": modules_to_not_convert,
+        }
+    return model
+
+
+def gptq_error_report_model(dense_model: nn.Module, quantized_model: nn.Module) -> dict[str, float]:
+    """Per-layer relative error ``||W - dequant(W_q)||_F / ||W||_F`` of each GPTQLinear of ``quantized_model``
+    against the ``nn.Linear`` of the same name in ``dense_model`` (calibration-free)."""
+    dense = dict(dense_model.named_modules())
+    out = {}
+    for name, module in quantized_model.named_modules():
+        if not isinstance(module, GPTQLinear):
+            continue
+        linear = dense.get(name)
+        if not isinstance(linear, nn.Linear):
+            raise ValueError(f"gptq_error_report_model: dense_model has no nn.Linear named {name!r}")
+        out[name] = gptq_error_report(linear.weight, {n: getattr(module, n) for n in BUFFER_NAMES},
+                                      zero_offset=module.zero_offset)
+    if not out:
+        raise ValueError("gptq_error_report_model: quantized_model has no GPTQLinear layers")
+    return out
+
+
+# 3. saving ----------------------------------------------------------------------------------------
+def _unique_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The persistent state, each tensor once (tied parameters under their first name), contiguous, on CPU."""
+    seen, out = set(), {}
+    for name, tensor in model.state_dict().items():
+        key = (tensor.untyped_storage().data_ptr(), tensor.storage_offset(), tuple(tensor.shape))
+        if key in seen:
+            continue
+        seen.add(key)
+        out[name] = tensor.detach().to("cpu").contiguous()
+    return out
+
+
+def save_gptq(model: nn.Module, path: str | os.PathLike) -> None:
+    """Write ``config.json`` (with ``quantization_config``) and ``model.safetensors`` (the GPTQLinear buffers
+    under their checkpoint names, every other parameter and persistent buffer once) to the directory ``path``."""
+    from safetensors.torch import save_file
+
+    config = getattr(model, "config", None)
+    qc = getattr(config, "quantization_config", None)
+    if not isinstance(qc, dict) or qc.get("quant_method") != "gptq":
+        raise ValueError("save_gptq: model.config.quantization_config must be a GPTQ config dict; quantize the "
+                         "model with quantize_model_gptq first")
+    if not any(isinstance(m, GPTQLinear) for m in model.modules()):
+        raise ValueError("save_gptq: the model has no GPTQLinear layers")
+    os.makedirs(path, exist_ok=True)
+    config.save_pretrained(path)
+    with open(os.path.join(path, "config.json")) as f:
+        written = json.load(f).get("quantization_config")
+    if written != json.loads(json.dumps(qc)):
+        raise ValueError(f"save_gptq: config.json did not keep the quantization_config (wrote {written!r})")
+    generation_config = getattr(model, "generation_config", None)
+    if generation_config is not None:
+        generation_config.save_pretrained(path)
+    save_file(_unique_state_dict(model), os.path.join(path, SAFETENSORS_NAME), metadata={"format": "pt"})
+
+
+# 4. loading ---------------------------------------------------------------------------------------
+def _read_quantization_config(config) -> dict:
+    qc = getattr(config, "quantization_config", None)
+    if qc is None:
+        raise ValueError("load_gptq: config.json has no quantization_config; this is not a GPTQ checkpoint")
+    if not isinstance(qc, dict):
+        qc = qc.to_dict() if hasattr(qc, "to_dict") else dict(qc)
+    method = str(qc.get("quant_method", "")).lower()
+    if method != "gptq":
+        raise ValueError(f"load_gptq: quantization_config.quant_method is {qc.get('quant_method')!r}; foak reads "
+                         "GPTQ checkpoints only (quant_method \"gptq\")")
+    if qc.get("bits") != BITS:
+        raise ValueError(f"load_gptq: quantization_config.bits is {qc.get('bits')!r}; foak reads 4-bit GPTQ only "
+                         "(2-, 3- and 8-bit checkpoints are not supported)")
+    fmt = qc.get("checkpoint_format", qc.get("format", "gptq"))
+    fmt = "gptq" if fmt is None else str(fmt).lower()
+    if fmt not in CHECKPOINT_FORMATS or qc.get("is_marlin_format"):
+        shown = "marlin (is_marlin_format)" if qc.get("is_marlin_format") else repr(fmt)
+        raise ValueError(f"load_gptq: checkpoint_format {shown} is not supported: foak reads the plain \"gptq\" "
+                         "(v1) and \"gptq_v2\" layouts, not repacked ones (marlin, exllama, bitblas, ...); "
+                         "re-export the checkpoint in the gptq format")
+    group_size = qc.get("group_size", 128)
+    if not isinstance(group_size, int) or isinstance(group_size, bool) or not (group_size == -1 or group_size > 0):
+        raise ValueError(f"load_gptq: quantization_config.group_size must be a positive int or -1, got {group_size!r}")
+    if qc.get("dynamic"):
+        raise ValueError("load_gptq: quantization_config.dynamic (per-module bits/group sizes) is not supported")
+    not_convert = qc.get("modules_to_not_convert")
+    if not_convert is None:
+        not_convert = [] if qc.get("lm_head") else ["lm_head"]
+    return {"group_size": group_size, "desc_act": bool(qc.get("desc_act", False)),
+            "zero_offset": CHECKPOINT_FORMATS[fmt], "modules_to_not_convert": list(not_convert), "raw": qc}
+
+
+@contextmanager
+def _parameters_on_meta():
+    """Inside: every parameter a module registers goes to the meta device (buffers stay where they are
+    made, so non-persistent ones such as rotary frequencies are computed for real)."""
+    original = nn.Module.register_parameter
+
+    def register(module, name, param):
+        if param is not None and param.device.type != "meta":
+            param = nn.Parameter(param.detach().to("meta"), requires_grad=param.requires_grad)
+        original(module, name, param)
+
+    nn.Module.register_parameter = register
+    try:
+        yield
+    finally:
+        nn.Module.register_parameter = original
+
+
+class _Checkpoint:
+    """The tensors of a safetensors checkpoint directory (one file or an index of shards), opened lazily."""
+
+    def __init__(self, path):
+        from safetensors import safe_open
+
+        index = os.path.join(path, SAFETENSORS_INDEX_NAME)
+        if os.path.isfile(index):
+            with open(index) as f:
+                weight_map = json.load(f)["weight_map"]
+            files = sorted(set(weight_map.values()))
+        elif os.path.isfile(os.path.join(path, SAFETENSORS_NAME)):
+            files = [SAFETENSORS_NAME]
+        else:
+            raise ValueError(f"load_gptq: {path} has neither {SAFETENSORS_NAME} nor {SAFETENSORS_INDEX_NAME}")
+        self.handles, self.where = [], {}
+        for file in files:
+            handle = safe_open(os.path.join(path, file), framework="pt")
+            self.handles.append(handle)
+            for key in handle.keys():
+                self.where[key] = handle
+
+    def keys(self):
+        return self.where.keys()
+
+    def shape(self, key):
+        return tuple(self.where[key].get_slice(key).get_shape())
+
+    def dtype(self, key):
+        return self.where[key].get_slice(key).get_dtype()
+
+    def get(self, key):
+        return self.where[key].get_tensor(key)
+
+
+_ST_DTYPES = {"I32": torch.int32, "I64": torch.int64, "F16": torch.float16, "BF16": torch.bfloat16,
+              "F32": torch.float32}
+
+
+def load_gptq(path: str | os.PathLike, dtype: torch.dtype = torch.bfloat16, device=None, *,
+              model_class=None) -> nn.Module:
+    """Load a GPTQ 4-bit checkpoint directory (``config.json`` with a ``quantization_config`` + safetensors)
+    as a transformers model whose quantized linears are :class:`GPTQLinear` computing in ``dtype``.
+
+    The model is built from its config with parameters on the meta device; each linear not in the config's
+    ``modules_to_not_convert`` (default ``lm_head``) becomes a GPTQLinear; then every tensor is read (to
+    ``device``, default CPU; float parameters cast to ``dtype``, scales kept as stored). ``model_class``:
+    default ``transformers.AutoModelForCausalLM``. Raises ValueError for anything it cannot read exactly.
+    """
+    import transformers
+
+    if dtype not in COMPUTE_DTYPES:
+        raise ValueError(f"load_gptq: dtype must be torch.float32, torch.bfloat16 or torch.float16, got {dtype!r}")
+    path = os.fspath(path)
+    if not os.path.isfile(os.path.join(path, "config.json")):
+        raise ValueError(f"load_gptq: {path} has no config.json; pass a GPTQ checkpoint directory")
+    device = torch.device("cpu" if device is None else device)
+    config = transformers.AutoConfig.from_pretrained(path)
+    qc = _read_quantization_config(config)
+    group_size, zero_offset = qc["group_size"], qc["zero_offset"]
+    checkpoint = _Checkpoint(path)
+
+    build_config = copy.deepcopy(config)
+    if hasattr(build_config, "quantization_config"):
+        del build_config.quantization_config  # build a plain model: transformers' own GPTQ path needs gptqmodel
+    model_class = model_class or transformers.AutoModelForCausalLM
+    with _parameters_on_meta():
+        model = model_class.from_config(build_config, dtype=dtype)
+    model.config.quantization_config = qc["raw"]
+
+    # the quantized linears
+    errors, expected = [], {}
+    targets = [(n, m) for n, m in model.named_modules()
+               if isinstance(m, nn.Linear) and not _excluded(n, qc["modules_to_not_convert"])]
+    for name, linear in targets:
+        in_f, out_f = linear.in_features, linear.out_features
+        if in_f % PACK or out_f % PACK:
+            errors.append(f"{name}: [{out_f}, {in_f}] is not a multiple of 8 in both dimensions, so it cannot be "
+                          "a GPTQ layer (list it in modules_to_not_convert if the checkpoint stores it dense)")
+            continue
+        groups = _n_groups(in_f, group_size)
+        shapes = {"qweight": (in_f // PACK, out_f), "qzeros": (groups, out_f // PACK), "scales": (groups, out_f),
+                  "g_idx": (in_f,)}
+        if linear.bias is not None:
+            shapes["bias"] = (out_f,)
+        has_g_idx = f"{name}.g_idx" in checkpoint.keys()
+        if not has_g_idx:
+            if qc["desc_act"]:
+                errors.append(f"{name}: desc_act is true but the checkpoint has no {name}.g_idx")
+            del shapes["g_idx"]
+        scales_key = f"{name}.scales"
+        scales_dtype = torch.float16
+        if scales_key in checkpoint.keys():
+            scales_dtype = _ST_DTYPES.get(checkpoint.dtype(scales_key))
+            if scales_dtype not in SCALE_DTYPES:
+                errors.append(f"{scales_key}: dtype {checkpoint.dtype(scales_key)} is not fp16, bf16 or fp32")
+                scales_dtype = torch.float16
+        module = GPTQLinear(in_f, out_f, linear.bias is not None, group_size=group_size, zero_offset=zero_offset,
+                            compute_dtype=dtype, scales_dtype=scales_dtype, device="meta")
+        _replace(model, name, module)
+        for key, shape in shapes.items():
+            expected[f"{name}.{key}"] = shape
+
+    # every other parameter and persistent buffer, each once (tied parameters under their first name)
+    quantized = {n for n, _ in targets}
+    for name, param in model.named_parameters(remove_duplicate=True):
+        if name.rpartition(".")[0] not in quantized:
+            expected[name] = tuple(param.shape)
+    for module_name, module in model.named_modules():
+        if isinstance(module, GPTQLinear):
+            continue
+        for buf_name, buf in module._buffers.items():
+            if buf is not None and buf_name not in module._non_persistent_buffers_set:
+                expected[f"{module_name}.{buf_name}" if module_name else buf_name] = tuple(buf.shape)
+
+    keys = set(checkpoint.keys())
+    missing = sorted(k for k in expected if k not in keys)
+    unexpected = sorted(k for k in keys - expected.keys() if not k.endswith("rotary_emb.inv_freq"))
+    mismatched = [f"{k}: checkpoint {checkpoint.shape(k)}, model expects {s}" for k, s in expected.items()
+                  if k in keys and checkpoint.shape(k) != s]
+    if missing:
+        errors.append(f"missing tensors ({len(missing)}): {', '.join(missing[:12])}"
+                      + (" ..." if len(missing) > 12 else ""))
+    if unexpected:
+        errors.append(f"tensors the model has no place for ({len(unexpected)}): {', '.join(unexpected[:12])}"
+                      + (" ..." if len(unexpected) > 12 else ""))
+    if mismatched:
+        errors.append(f"shape mismatches (group_size={group_size}): " + "; ".join(mismatched[:12]))
+    for key in expected:
+        if key in keys and key.rpartition(".")[2] in ("qweight", "qzeros") and checkpoint.dtype(key) != "I32":
+            errors.append(f"{key}: dtype {checkpoint.dtype(key)}, expected int32 (packed 4-bit values)")
+        if key in keys and key.endswith(".g_idx") and key.rpartition(".")[0] in quantized \
+                and checkpoint.dtype(key) not in ("I32", "I64"):
+            errors.append(f"{key}: dtype {checkpoint.dtype(key)}, expected int32 or int64")
+    if errors:
+        raise ValueError(f"load_gptq: {path} does not match the model its config describes:\n  " + "\n  ".join(errors))
+
+    # read the tensors
+    modules = dict(model.named_modules())
+    for key in expected:
+        module_name, _, attr = key.rpartition(".")
+        module = modules[module_name] if module_name else model
+        tensor = checkpoint.get(key)
+        if isinstance(module, GPTQLinear) and attr in BUFFER_NAMES:
+            if attr == "g_idx":
+                tensor = tensor.to(torch.int32)
+            module._buffers[attr] = tensor.to(device)
+        elif attr in module._parameters:
+            old = module._parameters[attr]
+            value = tensor.to(device=device, dtype=dtype if tensor.is_floating_point() else tensor.dtype)
+            frozen = isinstance(module, GPTQLinear)  # the bias of a quantized layer
+            module._parameters[attr] = nn.Parameter(value, requires_grad=old.requires_grad and not frozen)
+        else:
+            value = tensor.to(device=device, dtype=dtype if tensor.is_floating_point() else tensor.dtype)
+            module._buffers[attr] = value
+    for module in model.modules():
+        if isinstance(module, GPTQLinear) and module.g_idx.device.type == "meta":  # no g_idx stored: plain
+            module._buffers["g_idx"] = gptq_group_index(module.in_features, group_size, device=device)
+    if hasattr(model, "tie_weights"):
+        model.tie_weights()
+    still_meta = [n for n, t in list(model.named_parameters()) + list(model.named_buffers()) if t.device.type == "meta"]
+    if still_meta:
+        raise ValueError(f"load_gptq: no tensor was loaded for {', '.join(still_meta[:12])}")
+    model.to(device)
+    for module in model.modules():
+        if isinstance(module, GPTQLinear):
+            module.weight_object()  # validates every layer's tensors now (g_idx range, shapes, dtypes)
+    model.eval()
+    return model
