@@ -167,7 +167,7 @@ def test_q_k_v_run_as_one_block(monkeypatch, dropout):
     from foak.patching import peft as peft_rules
     from foak.patching.rules import apply
 
-    ref = peft_llama(ATTENTION, lora_dropout=dropout)
+    ref = peft_llama(["q_proj", "k_proj", "v_proj"], lora_dropout=dropout)
     model, report = patched_pair(ref, fused_lora=True, fast_rope_embeddings=True)
     assert report.result("llama.fused_lora_qkv").modules == LAYERS
     seen = []
@@ -187,14 +187,15 @@ def test_q_k_v_run_as_one_block(monkeypatch, dropout):
     else:
         assert_same_training(model, ref)
     assert seen == [3] * LAYERS
-    assert calls(report) == (LAYERS * 4, {})
+    assert calls(report) == (LAYERS * 3, {})
     assert report.result("llama.fused_lora_qkv").notes == f"{LAYERS} forwards with q/k/v as one fused LoRA block"
 
 
 def test_dropout_uses_the_modules_p_in_training_and_none_in_eval(monkeypatch):
     from foak.patching import peft as peft_rules
 
-    ref = peft_llama(lora_dropout=0.1)
+    targets = ["q_proj", "k_proj", "v_proj", "o_proj", "down_proj"]  # the q/k/v block and single layers
+    ref = peft_llama(targets, lora_dropout=0.1)
     model, report = patched_pair(ref, fused_lora=True)
     ps = []
     real = peft_rules.lora_linear
@@ -213,12 +214,12 @@ def test_dropout_uses_the_modules_p_in_training_and_none_in_eval(monkeypatch):
     monkeypatch.setattr(peft_rules, "lora_linears", recording_block)  # the q/k/v block
     model.eval(), ref.eval()  # PEFT's nn.Dropout is the identity: the two runs are the same math
     assert_same_training(model, ref)
-    assert ps == [0.0] * (LAYERS * 7)
+    assert ps == [0.0] * (LAYERS * len(targets))
     model.train()
     ps.clear()
     torch.manual_seed(3)
     loss_a, grads_a = loss_and_grads(model)
-    assert ps == [pytest.approx(0.1)] * (LAYERS * 7)
+    assert ps == [pytest.approx(0.1)] * (LAYERS * len(targets))
     model.eval()
     loss_eval, _ = loss_and_grads(model)
     assert torch.isfinite(loss_a) and loss_a != loss_eval  # masks were applied
@@ -226,7 +227,7 @@ def test_dropout_uses_the_modules_p_in_training_and_none_in_eval(monkeypatch):
     model.train()
     loss_b, _ = loss_and_grads(model)
     assert loss_b == loss_a  # the masks come from torch's generator: reproducible under manual_seed
-    assert calls(report)[0] == LAYERS * 7 * 4
+    assert calls(report)[0] == LAYERS * len(targets) * 4
 
 
 def test_fp32_adapters_under_bf16_autocast():
