@@ -131,7 +131,7 @@ def test_base_layer_setting_is_checked_against_the_model(saved_tiny):
     with pytest.raises(ValueError, match="holds no PEFT LoRA layer over a bitsandbytes Linear4bit"):
         foak.patch(peft_llama(["v_proj"]), stanza)
     gptq = {"peft": {"quantization": {"fused_ops_and_kernels": {"fused_lora": True, "base_layer": "gptq"}}}}
-    with pytest.raises(ValueError, match="gptq .* not implemented yet"):
+    with pytest.raises(ValueError, match="base_layer: gptq, but the model holds no PEFT LoRA layer over a foak GPTQLinear"):
         foak.patch(model, gptq)
 
 

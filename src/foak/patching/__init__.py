@@ -41,16 +41,18 @@ def patch(model, config=None, *, mixed_precision: str | None = None, **switches)
         weights = next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
         check_precision(weights, mixed_precision, peft=cfg.mode == "peft")
     missing = [NOT_IMPLEMENTED[s] for s in sorted(enabled & NOT_IMPLEMENTED.keys())]
-    if cfg.base_layer == "gptq":
-        missing.append("base_layer: gptq (GPTQ 4-bit base layers) is not implemented yet")
-    elif cfg.base_layer == "bitsandbytes":
+    if cfg.base_layer != "none":
         # the base is detected from the model; the setting only asserts what the user expects it to hold
-        from foak.patching.lora_bases import BNB_NF4, format_of
+        from foak.patching.lora_bases import BNB_NF4, GPTQ, format_of
 
-        if not any(format_of(m) is BNB_NF4 for m in model.modules()):
-            raise ValueError("foak.patch: base_layer: bitsandbytes, but the model holds no PEFT LoRA layer over a "
-                             "bitsandbytes Linear4bit (load it with BitsAndBytesConfig(load_in_4bit=True, ...) and "
-                             "wrap it with peft.get_peft_model; or remove base_layer: foak detects the base itself)")
+        fmt, how = {"bitsandbytes": (BNB_NF4, "a bitsandbytes Linear4bit (load it with BitsAndBytesConfig("
+                                              "load_in_4bit=True, ...)"),
+                    "gptq": (GPTQ, "a foak GPTQLinear (load it with foak.quant.load_gptq, and register "
+                                   "foak.quant.gptq_peft.register_gptq_lora on the LoraConfig")}[cfg.base_layer]
+        if not any(format_of(m) is fmt for m in model.modules()):
+            raise ValueError(f"foak.patch: base_layer: {cfg.base_layer}, but the model holds no PEFT LoRA layer over "
+                             f"{how} and wrap it with peft.get_peft_model); or remove base_layer: foak detects the "
+                             "base itself")
     if missing:
         raise ValueError("foak.patch: " + "; ".join(missing) + ". Remove these switches from the config.")
     if not enabled:

@@ -3,9 +3,9 @@
 A format says which PEFT LoRA class wraps which base class, why a given base cannot be fused (at patch
 time, and per call for the input at hand), and what the ops receive as the frozen weight: the dense
 tensor of an ``nn.Linear``, or a quantized weight object (``foak.ops.nf4.NF4Weight`` for bitsandbytes'
-NF4 ``Linear4bit``) that the ops dequantize per GEMM. The library that defines a format stays its owner:
-nothing here writes to its modules or parameters. A new base (GPTQ...) is one more entry of
-:data:`FORMATS`. bitsandbytes is looked up in ``sys.modules`` only (a model can hold its layers only if
+NF4 ``Linear4bit``, ``foak.ops.gptq.GPTQWeight`` for foak's ``GPTQLinear`` under ``GPTQLoraLinear``,
+foak.quant) that the ops dequantize per GEMM. The library that defines a format stays its owner:
+nothing here writes to its modules or parameters. A new base is one more entry of :data:`FORMATS`. bitsandbytes is looked up in ``sys.modules`` only (a model can hold its layers only if
 it was imported).
 """
 
@@ -119,7 +119,33 @@ def _nf4_weight(base) -> NF4Weight:
 BNB_NF4 = BaseFormat("bitsandbytes NF4 Linear4bit", _bnb_lora_class, _bnb_base_class, _nf4_patch_reason,
                      _nf4_call_reason, _nf4_weight)
 
-FORMATS = (PLAIN, BNB_NF4)
+# foak GPTQ ------------------------------------------------------------------------------------------
+def _gptq_lora_class():
+    return getattr(sys.modules.get("foak.quant.gptq_peft"), "GPTQLoraLinear", None)
+
+
+def _gptq_base_class():
+    return getattr(sys.modules.get("foak.quant.gptq"), "GPTQLinear", None)
+
+
+def _gptq_call_reason(base, x):
+    compute = base.compute_dtype
+    device_type = x.device.type
+    if torch.is_autocast_enabled(device_type):
+        if compute != torch.get_autocast_dtype(device_type):
+            return f"GPTQ compute dtype {compute} under {torch.get_autocast_dtype(device_type)} autocast"
+        return None
+    if x.dtype != compute:
+        return f"{x.dtype} input into a GPTQ layer computing in {compute}"
+    if base.bias is not None and base.bias.dtype != x.dtype:
+        return "base bias and input dtypes differ"
+    return None
+
+
+GPTQ = BaseFormat("foak GPTQ-4bit GPTQLinear", _gptq_lora_class, _gptq_base_class, lambda base: None,
+                  _gptq_call_reason, lambda base: base.weight_object())
+
+FORMATS = (PLAIN, BNB_NF4, GPTQ)
 
 
 def format_of(module: nn.Module) -> BaseFormat | None:

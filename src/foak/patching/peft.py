@@ -160,8 +160,8 @@ def _fallback_reason(module, x, args, kwargs) -> str | None:
         return "hooks or non-plain sub-layers"
     if not isinstance(x, torch.Tensor) or not x.is_floating_point():
         return "non-float input"
-    weight = base.weight
-    if weight.requires_grad or (base.bias is not None and base.bias.requires_grad):
+    weight = getattr(base, "weight", None)  # (a GPTQ base holds buffers only)
+    if (weight is not None and weight.requires_grad) or (base.bias is not None and base.bias.requires_grad):
         return "trainable base layer"
     adapter_dtype = lora_A.weight.dtype
     if lora_B.weight.dtype != adapter_dtype:
