@@ -12,6 +12,9 @@ its own process so that peak memory is clean. Models are built from configs with
     --qlora: the same on an NF4 base: every decoder projection a bitsandbytes Linear4bit (NF4, double-quantized
              absmax, bf16 compute), quantized from the bf16 random weights (model.is_loaded_in_4bit set, as
              from_pretrained(quantization_config=...) does, so PEFT wraps them in lora.bnb.Linear4bit)
+    --gptq: the same on a GPTQ-4bit base: every decoder projection a foak.quant GPTQLinear (round-to-nearest,
+            group 128, symmetric, bf16 compute), LoRA through foak's GPTQLoraLinear (register_gptq_lora); the
+            hf variant is then foak's unfused GPTQLinear path with PEFT (no other library runs this base)
     python3 benchmarks/train_step.py --one llama1b foak      # a single variant (what the driver runs)
     python3 benchmarks/train_step.py --models tiny --variants hf foak --device cpu --out /tmp/x  # smoke
 """
@@ -133,7 +136,7 @@ def quantize_nf4(model, device):
 
 def run_one(model_name: str, variant: str, checkpointing: bool = False, packed: bool = False,
             device: str = "cuda", profile: bool = False, autocast: bool = False, lora: bool = False,
-            qlora: bool = False) -> dict:
+            qlora: bool = False, gptq: bool = False) -> dict:
     import transformers
 
     class_name, dims, batch, seq = MODELS[model_name]
@@ -147,14 +150,25 @@ def run_one(model_name: str, variant: str, checkpointing: bool = False, packed: 
     if qlora:
         model = quantize_nf4(model, device)
         lora = True
+    if gptq:
+        from foak.quant import quantize_model_gptq
+
+        model = quantize_model_gptq(model, group_size=128, sym=True)
+        if device == "cuda":
+            torch.cuda.empty_cache()
+        lora = True
     if checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     if lora:  # adapters in fp32 (PEFT's autocast_adapter_dtype), base frozen in bf16, forward under autocast
         import peft
 
-        model = peft.get_peft_model(model, peft.LoraConfig(
-            r=16, lora_alpha=16, lora_dropout=0.0, target_modules=["q_proj", "k_proj", "v_proj", "o_proj",
-                                                                  "gate_proj", "up_proj", "down_proj"]))
+        lora_config = peft.LoraConfig(r=16, lora_alpha=16, lora_dropout=0.0, target_modules=[
+            "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"])
+        if gptq:
+            from foak.quant.gptq_peft import register_gptq_lora
+
+            register_gptq_lora(lora_config)
+        model = peft.get_peft_model(model, lora_config)
         autocast = True
     model.train()
     report = None
@@ -211,7 +225,8 @@ def run_one(model_name: str, variant: str, checkpointing: bool = False, packed: 
         except Exception as err:  # the timing above stands; say why the profile is missing
             profiled = {"error": f"{type(err).__name__}: {err}"}
     return {"model": model_name, "variant": variant, "checkpointing": checkpointing, "packed": packed,
-            "autocast": autocast, "weights": "nf4" if qlora else str(dtype).replace("torch.", ""), "lora": lora,
+            "autocast": autocast, "weights": "nf4" if qlora else "gptq4" if gptq else str(dtype).replace("torch.", ""),
+            "lora": lora,
             "batch": batch, "seq": seq, "tokens_per_s": TIMED * batch * seq / seconds,
             "step_ms": seconds / TIMED * 1e3,
             "peak_gib": peak_gib, "losses": [float(x) for x in losses],
@@ -229,6 +244,7 @@ def main() -> int:
     parser.add_argument("--autocast", action="store_true", help="fp32 weights + bf16 autocast")
     parser.add_argument("--lora", action="store_true", help="PEFT LoRA r16 on every projection (bf16 base)")
     parser.add_argument("--qlora", action="store_true", help="PEFT LoRA r16 on a bitsandbytes NF4 base")
+    parser.add_argument("--gptq", action="store_true", help="PEFT LoRA r16 on a foak GPTQ-4bit base")
     parser.add_argument("--device", default="cuda", help="cpu: a smoke test of the code paths (use --models tiny)")
     parser.add_argument("--lce-chunk-mib", type=int, default=0,
                         help="foak: linear_cross_entropy's chunk budget (default: its TUNING value)")
@@ -244,11 +260,12 @@ def main() -> int:
             lce.TUNING["chunk_bytes"] = args.lce_chunk_mib * 2**20
             replacements.FUSED_LOSS_CHUNK_BYTES = args.lce_chunk_mib * 2**20  # what the patched model uses
         result = run_one(*args.one, checkpointing=args.checkpointing, packed=args.packed, device=args.device,
-                         profile=args.profile, autocast=args.autocast, lora=args.lora, qlora=args.qlora)
+                         profile=args.profile, autocast=args.autocast, lora=args.lora, qlora=args.qlora,
+                         gptq=args.gptq)
         print("RESULT " + json.dumps(result), flush=True)
         return 0
     flags = [f for f, on in (("--checkpointing", args.checkpointing), ("--packed", args.packed),
-                             ("--autocast", args.autocast), ("--lora", args.lora), ("--qlora", args.qlora),
+                             ("--autocast", args.autocast), ("--lora", args.lora), ("--qlora", args.qlora), ("--gptq", args.gptq),
                              ("--profile", args.profile)) if on]
     if args.lce_chunk_mib:
         flags += ["--lce-chunk-mib", str(args.lce_chunk_mib)]

@@ -58,3 +58,24 @@ def test_gptq_bf16_under_autocast_and_an_input_dtype_that_does_not_fit(gptq_dir)
     out = layer(x)
     assert out.dtype == torch.float32 and torch.isfinite(out).all()
     assert calls(report)[1] == {"torch.float32 input into a GPTQ layer computing in torch.bfloat16": 1}
+
+
+def test_gptq_linear_under_autocast_runs_its_gemm_in_the_autocast_dtype():
+    """An fp32-compute GPTQLinear under bf16 autocast: the GEMM in bf16 as nn.Linear's would be (forward and
+    backward), the result in x's dtype as bitsandbytes' 4-bit layers return it."""
+    from torch import nn
+
+    from foak.quant import GPTQLinear
+
+    torch.manual_seed(2)
+    dense = nn.Linear(64, 40, bias=True)
+    layer = GPTQLinear.from_linear(dense, group_size=32)
+    w = layer.dequantize(torch.float32)
+    x = torch.randn(3, 64, requires_grad=True)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = layer(x)
+        ref = nn.functional.linear(x.detach().bfloat16(), w.bfloat16(), layer.bias.bfloat16())
+    assert out.dtype == torch.float32 and torch.equal(out, ref.float())
+    (gx,) = torch.autograd.grad(out.sum(), x)
+    assert gx.dtype == torch.float32
+    assert torch.equal(gx, (torch.ones(3, 40, dtype=torch.bfloat16) @ w.bfloat16()).float())

@@ -142,10 +142,15 @@ class GPTQLinear(nn.Module):
         if x.shape[-1] != self.in_features:
             raise ValueError(f"GPTQLinear: input has {x.shape[-1]} features in its last dimension; this layer takes "
                              f"in_features={self.in_features}")
+        # under autocast the GEMM runs in the autocast dtype, as nn.Linear's would (the weight dequantized to
+        # it directly); the result has x's dtype, as bitsandbytes' 4-bit layers return
+        device_type = x.device.type
+        dtype = torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else self.compute_dtype
         bias = self.bias
-        if bias is not None and bias.dtype != self.compute_dtype:
-            bias = bias.to(self.compute_dtype)
-        y = _GPTQLinearFunction.apply(x.to(self.compute_dtype), self.weight_object(), bias, self.compute_dtype)
+        if bias is not None and bias.dtype != dtype:
+            bias = bias.to(dtype)
+        with torch.autocast(device_type, enabled=False):
+            y = _GPTQLinearFunction.apply(x.to(dtype), self.weight_object(), bias, dtype)
         return y.to(x.dtype)
 
     def _apply(self, fn, recurse=True):
