@@ -392,7 +392,8 @@ def test_foak_callback_keyword_switches_on_a_peft_model():
 def test_dropout_masks_survive_gradient_checkpointing():
     """The fused op draws its dropout seed from torch's generator, whose state checkpointing restores for
     the recomputation: the recomputed forward uses the masks of the first one."""
-    ref = peft_llama(lora_dropout=0.1)
+    targets = ["q_proj", "k_proj", "v_proj", "down_proj"]  # the q/k/v block and a single layer (CI time)
+    ref = peft_llama(targets, lora_dropout=0.1)
     plain, _ = patched_pair(ref, fused_lora=True)
     checkpointed, report = patched_pair(ref, fused_lora=True)
     checkpointed.base_model.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
@@ -405,11 +406,11 @@ def test_dropout_masks_survive_gradient_checkpointing():
     assert_close(loss_ckpt, loss, "loss with checkpointing")
     for name, g in grads.items():
         assert_close(grads_ckpt[name], g, f"grad of {name} with checkpointing")
-    assert calls(report) == (LAYERS * 7 * 2, {})  # forward and recomputation
+    assert calls(report) == (LAYERS * len(targets) * 2, {})  # forward and recomputation
 
 
 def test_lora_layers_on_other_bases_are_left_to_peft_and_named():
-    # an Embedding LoRA layer stands in for bitsandbytes' Linear4bit (not available on CPU): not a lora.Linear
+    # an Embedding LoRA layer stands in for a base foak has no format for: not a lora.Linear
     ref = peft_llama(["q_proj", "embed_tokens"])
     model, report = patched_pair(ref, fused_lora=True)
     row = report.result("llama.fused_lora")
