@@ -72,19 +72,32 @@ def _verify_ops(device, backend) -> int:
 
 def _verify_model(args, device, backend) -> int:
     from foak.models.tiny import tiny_model
-    from foak.verify import format_rows, verify_model
+    from foak.verify import compared_note, format_rows, verify_model
 
     if args.model:
         import transformers
 
+        from foak.verify import gptq_quantization
+
         dtype = getattr(torch, args.dtype)
-        model = transformers.AutoModelForCausalLM.from_pretrained(args.model, dtype=dtype).to(device)
-        source = args.model
+        qc = gptq_quantization(args.model)
+        if qc is not None:  # foak's loader (transformers' GPTQ path would need gptqmodel)
+            from foak.quant import load_gptq
+
+            model = load_gptq(args.model, dtype=dtype, device=device)
+            source = (f"{args.model} (GPTQ 4-bit checkpoint, group_size {qc.get('group_size', 128)}, loaded by "
+                      "foak.quant.load_gptq)")
+        else:
+            model = transformers.AutoModelForCausalLM.from_pretrained(args.model, dtype=dtype).to(device)
+            source = args.model
     else:
         model = tiny_model(args.arch).to(device=device, dtype=getattr(torch, args.dtype))
         source = f"tiny {args.arch} (2 layers, hidden 64, random weights)"
     print(f"foak verify: {source} on {device} ({args.dtype}, backend: {backend}); unpatched vs patched, "
           "loss and every parameter gradient after one forward+backward")
+    note = compared_note(model)
+    if note:
+        print(note)
     rows = verify_model(model, args.rules)
     print(format_rows(rows))
     if args.dtype == "float32":
@@ -104,7 +117,8 @@ def build_parser() -> argparse.ArgumentParser:
     info.set_defaults(func=_cmd_info)
     verify = sub.add_parser("verify", help="check numerics against the torch references")
     verify.add_argument("--ops", action="store_true", help="run every kernel against its reference")
-    verify.add_argument("--model", help="local path of an HF causal LM (default: a tiny random model)")
+    verify.add_argument("--model", help="local path of an HF causal LM or a GPTQ 4-bit checkpoint "
+                                            "(default: a tiny random model)")
     verify.add_argument("--arch", default="llama", help="architecture of the tiny default model")
     verify.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     verify.add_argument("--rules", nargs="*", help="rule switches to check (default: all of the model's)")

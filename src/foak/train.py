@@ -11,6 +11,12 @@ Without ``--acceleration_config`` the kernels are chosen as follows (``--acceler
 - full fine-tuning (``--peft none``) of the embedded model: ``training.fused_ops_and_kernels`` with those four
   kernels (:data:`EMBEDDED_KERNELS`); of a ``--model`` or ``--dataset`` of yours: no kernels (the baseline).
 
+A ``--model`` directory whose config.json has ``quantization_config.quant_method: gptq`` (e.g. one written by
+:func:`foak.quant.save_gptq`) is loaded by :func:`foak.quant.load_gptq` (its 4-bit linears become foak's
+``GPTQLinear``, computing in the --bf16/--fp16/fp32 dtype; transformers' own GPTQ path, which needs gptqmodel, is
+not used) and trained with ``--peft lora`` only: PEFT wraps the GPTQ layers with foak's ``GPTQLoraLinear``
+(:func:`foak.quant.gptq_peft.register_gptq_lora`) and the default config's fused_lora takes them.
+
 The patch report is printed before training and again after it, when the ``fused_lora`` row holds the call
 counts (fused calls, calls that took PEFT's own forward and why); the summary carries them too."""
 
@@ -50,7 +56,8 @@ EMBEDDED_DEFAULTS = {"max_steps": "60", "learning_rate": "3e-3", "warmup_steps":
 
 @dataclass
 class FoakArguments:
-    model: str | None = field(default=None, metadata={"help": "local path of an HF causal LM (default: tiny)"})
+    model: str | None = field(default=None, metadata={
+        "help": "local path of an HF causal LM, or of a GPTQ 4-bit checkpoint (with --peft lora) (default: tiny)"})
     dataset: str | None = field(default=None, metadata={"help": "JSONL file: {'text': ...} or {'prompt', 'response'}"})
     text_field: str = field(default="text", metadata={"help": "the JSONL field holding plain text"})
     max_seq_length: int = field(default=128, metadata={"help": "longer sequences are truncated (and counted)"})
@@ -103,11 +110,44 @@ def _mixed_precision(training_args) -> str:
     return "bf16" if training_args.bf16 else "fp16" if training_args.fp16 else "no"
 
 
+def _dtype(training_args) -> torch.dtype:
+    return torch.bfloat16 if training_args.bf16 else torch.float16 if training_args.fp16 else torch.float32
+
+
+def gptq_checkpoint(foak_args) -> dict | None:
+    """The ``quantization_config`` of a ``--model`` directory whose config.json says ``quant_method: gptq``
+    (None for any other model). A GPTQ base is frozen 4-bit: only ``--peft lora`` can train it (ValueError
+    otherwise)."""
+    import json
+
+    if foak_args.model is None:
+        return None
+    config_path = Path(foak_args.model) / "config.json"
+    if not config_path.is_file():
+        return None
+    try:
+        qc = json.loads(config_path.read_text()).get("quantization_config")
+    except (json.JSONDecodeError, AttributeError) as e:
+        raise ValueError(f"--model {foak_args.model}: config.json is not a JSON object ({e})") from e
+    if not isinstance(qc, dict) or str(qc.get("quant_method", "")).lower() != "gptq":
+        return None
+    if foak_args.peft == "none":
+        raise ValueError(
+            f"--model {foak_args.model} is a GPTQ 4-bit checkpoint: its quantized weights are frozen, so it "
+            "cannot be fully fine-tuned; pass --peft lora to train LoRA adapters on it")
+    if foak_args.peft == "qlora-nf4":
+        raise ValueError(
+            f"--model {foak_args.model} is a GPTQ 4-bit checkpoint, already quantized: --peft qlora-nf4 would "
+            "quantize a dense model with bitsandbytes NF4; pass --peft lora to train LoRA adapters on the GPTQ "
+            "base")
+    return qc
+
+
 def _load_kwargs(foak_args, training_args) -> dict:
     """from_pretrained's dtype and, for --peft qlora-nf4, the NF4 BitsAndBytesConfig."""
     import transformers
 
-    dtype = torch.bfloat16 if training_args.bf16 else torch.float16 if training_args.fp16 else torch.float32
+    dtype = _dtype(training_args)
     kwargs = {"dtype": dtype}
     if foak_args.peft == "qlora-nf4":
         try:
@@ -150,9 +190,18 @@ def load_model_and_tokenizer(foak_args, training_args):
     path = Path(foak_args.model)
     if not path.exists():
         raise ValueError(f"--model {foak_args.model}: no such local path (foak train does not download models)")
+    gptq = gptq_checkpoint(foak_args)
     tokenizer = transformers.AutoTokenizer.from_pretrained(path)
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
+    if gptq is not None:
+        # foak's own loader: transformers' from_pretrained would need gptqmodel for a GPTQ checkpoint
+        from foak.quant import load_gptq
+
+        dtype = _dtype(training_args)
+        model = load_gptq(path, dtype=dtype)
+        return model, tokenizer, (f"{path} (GPTQ 4-bit checkpoint, group_size {gptq.get('group_size', 128)}, "
+                                  f"loaded by foak.quant.load_gptq computing in {str(dtype).removeprefix('torch.')})")
     model = transformers.AutoModelForCausalLM.from_pretrained(path, **_load_kwargs(foak_args, training_args))
     return model, tokenizer, str(path)
 
@@ -162,7 +211,11 @@ def apply_peft(model, foak_args):
         return model
     from torch import nn
 
-    linear_names = {name.rsplit(".", 1)[-1] for name, m in model.named_modules() if isinstance(m, nn.Linear)}
+    from foak.quant.gptq import GPTQLinear
+
+    linear_names = {name.rsplit(".", 1)[-1] for name, m in model.named_modules()
+                    if isinstance(m, (nn.Linear, GPTQLinear))}
+    gptq = any(isinstance(m, GPTQLinear) for m in model.modules())
     unknown = sorted(set(foak_args.target_modules) - linear_names)
     if unknown:
         raise ValueError(
@@ -177,6 +230,10 @@ def apply_peft(model, foak_args):
     config = peft.LoraConfig(r=foak_args.lora_r, lora_alpha=foak_args.lora_alpha,
                              lora_dropout=foak_args.lora_dropout, target_modules=foak_args.target_modules,
                              task_type="CAUSAL_LM")
+    if gptq:  # PEFT wraps GPTQLinear only through the custom-module mapping (foak's GPTQLoraLinear)
+        from foak.quant.gptq_peft import register_gptq_lora
+
+        register_gptq_lora(config)
     return peft.get_peft_model(model, config)
 
 
@@ -285,6 +342,7 @@ def train(argv: list[str]) -> dict:
     # everything the user gave is checked before the model is built
     records = read_jsonl(foak_args.dataset, foak_args.text_field) if foak_args.dataset else generated_corpus()
     embedded = foak_args.model is None and foak_args.dataset is None
+    gptq_checkpoint(foak_args)  # a GPTQ --model needs --peft lora
     config = resolve_config(foak_args, embedded)
     model, tokenizer, model_name = load_model_and_tokenizer(foak_args, training_args)
     dataset = tokenize(records, tokenizer, foak_args.max_seq_length, foak_args.text_field)

@@ -117,6 +117,40 @@ def verify_model(model, switches: list[str] | None = None, batch=None) -> list[V
     return rows
 
 
+def gptq_quantization(path) -> dict | None:
+    """The ``quantization_config`` of a model directory whose config.json says ``quant_method: gptq`` (load
+    it with :func:`foak.quant.load_gptq`), else None."""
+    import json
+    import os
+
+    config_path = os.path.join(os.fspath(path), "config.json")
+    if not os.path.isfile(config_path):
+        return None
+    with open(config_path) as f:
+        qc = json.load(f).get("quantization_config")
+    if isinstance(qc, dict) and str(qc.get("quant_method", "")).lower() == "gptq":
+        return qc
+    return None
+
+
+def compared_note(model) -> str | None:
+    """What verify_model compares on a model with GPTQ layers (None for other models): their 4-bit weights
+    are frozen buffers, so only the loss and the gradients of the model's other parameters are compared."""
+    import re
+
+    from foak.quant.gptq import GPTQLinear
+
+    n_gptq = sum(isinstance(m, GPTQLinear) for m in model.modules())
+    if not n_gptq:
+        return None
+    trainable = [n for n, p in model.named_parameters() if p.requires_grad]
+    kinds = list(dict.fromkeys(re.sub(r"\.\d+\.", ".*.", n) for n in trainable))
+    return (f"GPTQ model: its {n_gptq} GPTQLinear layers hold frozen 4-bit weights (no gradient), so this compares "
+            f"the loss and the gradients of the {len(trainable)} trainable parameters ({', '.join(kinds)}); "
+            "those gradients flow back through every GPTQ layer's dequantizing backward. The rules checked are "
+            "the full fine-tuning ones; LoRA adapters (fused_lora) are not part of foak verify")
+
+
 def format_rows(rows: list[VerifyRow]) -> str:
     header = ("rule", "modules", "loss rel. error", "max grad rel. error*", "worst parameter", "tolerance", "result")
     body = [(r.name, str(r.modules), f"{r.loss_error:.2e}", f"{r.grad_error:.2e}", r.worst_param,

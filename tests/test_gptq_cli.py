@@ -1,0 +1,64 @@
+"""foak train and foak verify on a GPTQ checkpoint directory: a tiny Llama quantized by foak's round-to-nearest
+GPTQ quantizer and written by save_gptq (with a character tokenizer), loaded through foak.quant.load_gptq."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from foak.cli import main
+from foak.data import char_tokenizer
+from foak.models.tiny import tiny_model
+from foak.quant import quantize_model_gptq, save_gptq
+from foak.train import train
+
+TINY = ["--max_steps", "2", "--per_device_train_batch_size", "1", "--max_seq_length", "12", "--logging_steps", "1",
+        "--warmup_steps", "0", "--lora_r", "4"]
+
+
+@pytest.fixture(scope="module")
+def gptq_dir(tmp_path_factory):
+    path = tmp_path_factory.mktemp("tiny_gptq_cli")
+    save_gptq(quantize_model_gptq(tiny_model("llama"), group_size=32), path)
+    char_tokenizer().save_pretrained(path)
+    return path
+
+
+def test_train_lora_on_a_gptq_checkpoint_runs_fused_lora_and_saves_an_adapter(gptq_dir, tmp_path, capsys):
+    out_dir = tmp_path / "out"
+    summary = train([*TINY, "--model", str(gptq_dir), "--peft", "lora", "--output_dir", str(out_dir)])
+    out = capsys.readouterr().out
+    assert f"model: {gptq_dir} (GPTQ 4-bit checkpoint, group_size 32, loaded by foak.quant.load_gptq" in out
+    counts = summary["fused_lora"]
+    # 7 targets x 2 layers over GPTQ bases, one forward each per step, all on foak's fused op
+    assert (counts["modules"], counts["fused"], counts["peft_path"]) == (14, 14 * 2, 0), counts
+    assert "14 foak GPTQ-4bit GPTQLinear" in counts["notes"], counts
+    after = out.split("after training:")[1]
+    assert "llama.fused_lora" in after and "foak GPTQ-4bit GPTQLinear" in after and "fused 28 calls" in after
+    assert summary["steps"] == 2 and torch.isfinite(torch.tensor(summary["final_loss"]))
+    adapter = load_file(out_dir / "adapter_model.safetensors")
+    assert (out_dir / "adapter_config.json").exists()
+    assert len(adapter) == 14 * 2 and all("lora_A" in k or "lora_B" in k for k in adapter), sorted(adapter)
+    # lora_B starts at zero: after two steps it has moved in every layer
+    assert all(v.abs().max() > 0 for k, v in adapter.items() if "lora_B" in k)
+
+
+def test_gptq_checkpoint_without_lora_is_an_error(gptq_dir, tmp_path):
+    with pytest.raises(ValueError, match=r"GPTQ 4-bit checkpoint.*cannot be fully fine-tuned; pass --peft lora"):
+        train([*TINY, "--model", str(gptq_dir), "--output_dir", str(tmp_path)])
+    with pytest.raises(ValueError, match=r"GPTQ 4-bit checkpoint, already quantized: --peft qlora-nf4.*--peft lora"):
+        train([*TINY, "--model", str(gptq_dir), "--peft", "qlora-nf4", "--output_dir", str(tmp_path)])
+
+
+def test_verify_on_a_gptq_checkpoint_compares_the_trainable_gradients(gptq_dir, capsys):
+    # the rules that meet the GPTQ layers (the MLP over GPTQ projections, the fused loss behind them); every
+    # GPTQ forward and backward dequantizes in the interpreter, so the default (all rules) is left to the CLI
+    assert main(["verify", "--model", str(gptq_dir), "--rules", "swiglu", "fused_linear_loss"]) == 0
+    out = capsys.readouterr().out
+    assert "GPTQ 4-bit checkpoint, group_size 32, loaded by foak.quant.load_gptq" in out
+    # 14 frozen GPTQ layers; compared: embeddings, 2 x 2 layer norms, final norm, lm_head
+    assert "its 14 GPTQLinear layers hold frozen 4-bit weights" in out and "the 7 trainable parameters" in out
+    assert "verify: 3 of 3 rule checks within tolerance" in out, out
+    for row in ("swiglu ", "fused_linear_loss ", "all: swiglu, fused_linear_loss "):
+        assert f"\n{row}" in out, row
