@@ -48,6 +48,13 @@ def is_peft_model(model: nn.Module) -> bool:
     return any(isinstance(m, tuners.BaseTunerLayer) for m in model.modules())
 
 
+def _peft_skip_reason(model) -> str | None:
+    """Why the fused_lora rules cannot apply at all (shared by the layer and the q/k/v block rules)."""
+    if _lora_layer_module() is None:
+        return "peft is not imported: the model has no PEFT LoRA layers"
+    return None
+
+
 def _fusable_layer(module: nn.Module) -> bool:
     fmt = format_of(module)
     return fmt is not None and fmt.patch_reason(module.base_layer) is None
@@ -223,11 +230,6 @@ def lora_attention_rule(arch: str, attention_class: type) -> Rule:
     A block output its projection did not ask for would be wasted work: it is counted in the row."""
     rule_id = f"{arch}.fused_lora_qkv"
 
-    def skip_reason(model):
-        if _lora_layer_module() is None:
-            return "peft is not imported: the model has no PEFT LoRA layers"
-        return None
-
     def patch(module, model, state):
         original_forward = module.forward
         row = state.result
@@ -261,7 +263,7 @@ def lora_attention_rule(arch: str, attention_class: type) -> Rule:
     def is_lora_attention(m, model):
         return all(_fusable_layer(getattr(m, name, None)) for name in QKV)
 
-    return Rule(rule_id, "lora", Trigger(attention_class, predicate=is_lora_attention), patch, skip_reason)
+    return Rule(rule_id, "lora", Trigger(attention_class, predicate=is_lora_attention), patch, _peft_skip_reason)
 
 
 def lora_glu_mlp(gate: nn.Module, up: nn.Module, down: nn.Module, x: torch.Tensor, activation: str):
@@ -290,14 +292,9 @@ def lora_glu_mlp(gate: nn.Module, up: nn.Module, down: nn.Module, x: torch.Tenso
 
 
 def lora_linear_rule(arch: str) -> Rule:
-    """fused_lora: PEFT ``lora.Linear`` layers over a plain ``nn.Linear`` run foak's ``lora_linear`` when
+    """fused_lora: PEFT LoRA layers over a base of foak.patching.lora_bases run foak's ``lora_linear`` when
     that computes exactly what PEFT would (decided per call; see the module docstring)."""
     rule_id = f"{arch}.fused_lora"
-
-    def skip_reason(model):
-        if _lora_layer_module() is None:
-            return "peft is not imported: the model has no PEFT LoRA layers"
-        return None
 
     def patch(module, model, state):
         original_forward = module.forward
@@ -324,4 +321,4 @@ def lora_linear_rule(arch: str) -> Rule:
     layer = _lora_layer_module()
     module_class = layer.LoraLayer if layer is not None else nn.Linear
     trigger = Trigger(module_class, predicate=lambda m, model: _fusable_layer(m))
-    return Rule(rule_id, "lora", trigger, patch, skip_reason, _describe)
+    return Rule(rule_id, "lora", trigger, patch, _peft_skip_reason, _describe)
