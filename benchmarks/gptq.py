@@ -8,7 +8,7 @@ Llama-3-8B projection shapes ([out, in]: q/o 4096x4096, k/v 1024x4096, gate/up 1
 bf16 weights N(0, 0.02) quantized by foak's round-to-nearest quantizer (4-bit, group 128, symmetric, "gptq"
 v1 zeros), once with plain groups and once with act-order (g_idx permuted by descending column norm).
 Checks (torch.equal against foak's torch reference on the same device): gptq_dequantize and
-GPTQWeight.dequantize in bf16 and fp16, both unpack variants, and every tile configuration of the sweep.
+GPTQWeight.dequantize in bf16 and fp16, both unpack variants and both tile layouts, and every tile configuration of the sweep.
 Times (CUDA-event median of --reps calls after warm-up, benchmarks/real_world.timed_ms; host overhead
 included, as a caller sees it): ``gptq_dequantize`` (validates each call, one host sync for g_idx),
 ``GPTQWeight.dequantize`` (validated once: what the LoRA ops call), and the kernel alone (20 calls of
@@ -42,10 +42,13 @@ from real_world import timed_ms  # noqa: E402  (CUDA-event median)
 SHAPES = [(4096, 4096), (1024, 4096), (14336, 4096), (4096, 14336)]
 SMOKE_SHAPES = [(40, 136), (72, 264)]
 GROUP = 128
-SWEEP = [  # (block_out, block_in, warps, unpack)
-    (64, 128, 4, "reshape"), (64, 128, 4, "gather"), (32, 128, 4, "reshape"), (128, 128, 4, "reshape"),
-    (128, 128, 8, "reshape"), (64, 256, 4, "reshape"), (64, 256, 8, "reshape"), (32, 256, 4, "reshape"),
-    (128, 64, 4, "reshape"), (16, 128, 4, "reshape"), (32, 128, 4, "gather"), (128, 128, 8, "gather"),
+SWEEP = [  # (block_out, block_in, warps, unpack, layout); layout applies to plain and act-order alike here
+    (64, 128, 4, "reshape", "out_major"), (64, 128, 4, "gather", "out_major"), (32, 128, 4, "reshape", "out_major"),
+    (128, 128, 4, "reshape", "out_major"), (128, 128, 8, "reshape", "out_major"), (64, 256, 4, "reshape", "out_major"),
+    (64, 256, 8, "reshape", "out_major"), (32, 256, 4, "reshape", "out_major"), (16, 128, 4, "reshape", "out_major"),
+    (64, 128, 4, "reshape", "in_major"), (128, 64, 4, "reshape", "in_major"), (128, 128, 4, "reshape", "in_major"),
+    (128, 128, 8, "reshape", "in_major"), (256, 64, 4, "reshape", "in_major"), (256, 32, 4, "reshape", "in_major"),
+    (64, 64, 4, "reshape", "in_major"), (128, 32, 4, "reshape", "in_major"), (256, 128, 8, "reshape", "in_major"),
 ]
 
 
@@ -128,8 +131,9 @@ def main() -> int:
             packed = gptq_quantize_rtn(w, GROUP, sym=True, act_order=act_order)
             weight = GPTQWeight(**packed, dtype=torch.bfloat16)
             expected = gptq_dequantize_reference(**packed, dtype=torch.bfloat16)
-            for bo, bi, warps, unpack in (SWEEP[:2] if SMOKE else SWEEP):
-                tuning = {"block_out": bo, "block_in": bi, "warps": warps, "unpack": unpack}
+            for bo, bi, warps, unpack, layout in (SWEEP[:2] + SWEEP[-1:] if SMOKE else SWEEP):
+                tuning = {"block_out": bo, "block_in": bi, "warps": warps, "unpack": unpack, "layout": layout,
+                          "act_order_layout": layout, "act_order_block_out": bo, "act_order_block_in": bi}
                 got = with_tuning(tuning, weight.dequantize)
                 bad = mismatches(got, expected)
                 name = f"sweep {list(shape)} {'act-order' if act_order else 'plain'} {tuning}"
@@ -154,10 +158,13 @@ def main() -> int:
                   weight.group_size == (None if act_order else GROUP), group_size=weight.group_size)
             for dtype in (torch.bfloat16, torch.float16):
                 expected = gptq_dequantize_reference(**packed, dtype=dtype)
-                for unpack in ("reshape", "gather"):
-                    got = with_tuning({"unpack": unpack}, lambda: gptq_dequantize(**packed, dtype=dtype))
+                for unpack, layout in (("reshape", "out_major"), ("gather", "out_major"), ("reshape", "in_major")):
+                    variant = {"unpack": unpack, "layout": layout, "act_order_layout": layout,
+                               "act_order_block_out": 64, "act_order_block_in": 128}
+                    got = with_tuning(variant, lambda: gptq_dequantize(**packed, dtype=dtype))
                     bad = mismatches(got, expected)
-                    check(f"{tag} {dtype} gptq_dequantize ({unpack}) == reference", bad == 0, mismatches=bad)
+                    check(f"{tag} {dtype} gptq_dequantize ({unpack}, {layout}) == reference", bad == 0,
+                          mismatches=bad)
                 bad = mismatches(weight.dequantize(dtype), expected)
                 check(f"{tag} {dtype} GPTQWeight.dequantize == reference", bad == 0, mismatches=bad)
             error = gptq_error_report(w, packed)
@@ -204,11 +211,11 @@ def main() -> int:
     path.write_text(json.dumps({**meta, "checks": checks, "sweep": sweep, "rows": rows}, indent=1))
     print(f"wrote {path}")
     if sweep:
-        print("| sweep (kernel ms, CUDA graph) | block_out | block_in | warps | unpack | ms |")
-        print("|---|---|---|---|---|---|")
+        print("| sweep (kernel ms, CUDA graph) | block_out | block_in | warps | unpack | layout | ms |")
+        print("|---|---|---|---|---|---|---|")
         for s in sorted(sweep, key=lambda s: (s["act_order"], s["kernel_ms"])):
             print(f"| {s['shape']} {'act-order' if s['act_order'] else 'plain'} | {s['block_out']} | {s['block_in']} "
-                  f"| {s['warps']} | {s['unpack']} | {s['kernel_ms']:.4f} |")
+                  f"| {s['warps']} | {s['unpack']} | {s['layout']} | {s['kernel_ms']:.4f} |")
     if rows:
         print(f"\nTUNING {default_tuning}; x [{args.tokens}, in] bf16 for the GEMMs")
         print("| shape [out, in] | g_idx | gptq_dequantize ms | GPTQWeight.dequantize ms | GB/s | % of copy "

@@ -165,12 +165,25 @@ def test_v2_and_other_scale_dtypes(zero_offset, scale_dtype, act_order):
 def test_small_tiles(monkeypatch, unpack, act_order):
     # 16 x 32 tiles: 3 x 5 programs on 40 x 136, partial tiles at both edges; group 32 takes the one-group-
     # per-tile path without act-order, the gathers with it
-    monkeypatch.setitem(gptq_mod.TUNING, "block_out", 16)
-    monkeypatch.setitem(gptq_mod.TUNING, "block_in", 32)
+    for prefix in ("", "act_order_"):
+        monkeypatch.setitem(gptq_mod.TUNING, prefix + "block_out", 16)
+        monkeypatch.setitem(gptq_mod.TUNING, prefix + "block_in", 32)
+    monkeypatch.setitem(gptq_mod.TUNING, "act_order_layout", "out_major")
     monkeypatch.setitem(gptq_mod.TUNING, "unpack", unpack)
     ckpt = random_checkpoint(40, 136, 32, sym=False, act_order=act_order, seed=3)
     assert GPTQWeight(**ckpt).group_size == (None if act_order else 32)
     check_all_dtypes(ckpt)
+
+
+@pytest.mark.parametrize("act_order", [False, True], ids=["plain", "act"])
+def test_in_major_layout(monkeypatch, act_order):
+    # the [in, out]-ordered tile kernel: the same bits, partial tiles at both edges
+    for prefix in ("", "act_order_"):
+        monkeypatch.setitem(gptq_mod.TUNING, prefix + "block_out", 16)
+        monkeypatch.setitem(gptq_mod.TUNING, prefix + "block_in", 32)
+    monkeypatch.setitem(gptq_mod.TUNING, "layout", "in_major")
+    monkeypatch.setitem(gptq_mod.TUNING, "act_order_layout", "in_major")
+    check_all_dtypes(random_checkpoint(40, 136, 32, sym=False, act_order=act_order, seed=6))
 
 
 def test_gather_unpack_default_tiles(monkeypatch):

@@ -3,7 +3,8 @@
 The interpreter casts fp32 -> bf16 by truncating the mantissa, while the GPU rounds to nearest even.
 Kernels that store bf16 results (all of foak's) would then carry up to twice the rounding error on
 CPU and disagree with torch's own bf16 arithmetic. This module replaces that one cast with torch's
-conversion (round to nearest even). It touches the interpreter's private internals, so it is pinned to
+conversion (round to nearest even), and makes ``tl.dot`` on bf16 operands multiply their values (the stock
+interpreter multiplies the raw uint16 bit patterns). It touches the interpreter's private internals, so it is pinned to
 the triton version of the test requirements, applied only when the interpreter is on, and never on a GPU.
 """
 
@@ -42,3 +43,18 @@ def install() -> None:
 
     cast_impl._foak_rounding = True
     builder.cast_impl = cast_impl
+
+    original_dot = builder.create_dot
+
+    def create_dot(self, a, b, d, input_precision, max_num_imprecise_acc):
+        if a.dtype.scalar == tl.bfloat16 or b.dtype.scalar == tl.bfloat16:
+            def values(h):  # bf16 bits -> fp32 values (exact); other dtypes as they are
+                if h.dtype.scalar != tl.bfloat16:
+                    return h.data.astype(np.float32)
+                return (h.data.astype(np.uint32) << np.uint32(16)).view(np.float32)
+
+            result = np.matmul(values(a), values(b), dtype=np.float32).astype(d.data.dtype) + d.data
+            return interpreter.TensorHandle(result, d.dtype.scalar)
+        return original_dot(self, a, b, d, input_precision, max_num_imprecise_acc)
+
+    builder.create_dot = create_dot

@@ -52,8 +52,14 @@ INDEX_DTYPES = (torch.int32, torch.int64)
 BITS = 4
 PACK = 32 // BITS  # values per int32
 # Launch knobs: a program dequantizes a [block_out, block_in] tile of W (powers of 2, block_in >= 8);
-# "unpack": "reshape" (one load per int32, split into 8 nibbles) or "gather" (the int32 loaded per element).
-TUNING = {"block_out": 64, "block_in": 128, "warps": 4, "unpack": "reshape"}
+# "unpack": "reshape" (one load per int32, split into 8 nibbles) or "gather" (the int32 loaded per element);
+# "layout" (plain groups) / "act_order_layout" (act-order): "out_major" builds the tile as [out, in] (the
+# output's order), "in_major" as [in, out] (the order of qweight, scales and qzeros: coalesced gathers of
+# the act-order scales and zeros), leaving the transpose to the compiler.
+# act_order_block_out / act_order_block_in: the tile under act-order. Defaults from the H200 sweep
+# (benchmarks/results/gptq_h200.json).
+TUNING = {"block_out": 64, "block_in": 128, "warps": 4, "unpack": "reshape", "layout": "out_major",
+          "act_order_layout": "in_major", "act_order_block_out": 128, "act_order_block_in": 32}
 
 
 # 1. reference -------------------------------------------------------------------------------------
@@ -127,13 +133,60 @@ def _gptq_dequantize_kernel(
     tl.store(OUT + rows + i[None, :], w.to(OUT.dtype.element_ty), mask=tile_ok)
 
 
+@triton.jit
+def _gptq_dequantize_in_major_kernel(
+    QWEIGHT, QZEROS, SCALES, G_IDX, OUT,
+    in_features, out_features, zero_cols, group_size,
+    ZERO_OFFSET: tl.constexpr, BLOCK_OUT: tl.constexpr, BLOCK_IN: tl.constexpr, GROUPED: tl.constexpr,
+):
+    # The same tile as _gptq_dequantize_kernel's, built as [BLOCK_IN, BLOCK_OUT] (input channel i, output j).
+    pid_in = tl.program_id(0)
+    pid_out = tl.program_id(1)
+    j = pid_out * BLOCK_OUT + tl.arange(0, BLOCK_OUT)
+    i = pid_in * BLOCK_IN + tl.arange(0, BLOCK_IN)
+    j_ok = j < out_features
+    i_ok = i < in_features
+    tile_ok = i_ok[:, None] & j_ok[None, :]
+    EIGHTHS: tl.constexpr = BLOCK_IN // 8
+    words = pid_in * EIGHTHS + tl.arange(0, EIGHTHS)
+    packed = tl.load(QWEIGHT + words[:, None] * out_features + j[None, :],
+                     mask=(words < in_features // 8)[:, None] & j_ok[None, :], other=0)  # [EIGHTHS, BLOCK_OUT]
+    shifts = tl.arange(0, 8) * 4
+    q = tl.reshape((packed[:, None, :] >> shifts[None, :, None]) & 15, (BLOCK_IN, BLOCK_OUT))
+    if GROUPED:
+        group = (pid_in * BLOCK_IN) // group_size
+        scale = tl.load(SCALES + group * out_features + j, mask=j_ok, other=0.0).to(tl.float32)
+        zword = tl.load(QZEROS + group * zero_cols + j // 8, mask=j_ok, other=0)
+        zero = ((zword >> ((j % 8) * 4)) & 15) + ZERO_OFFSET
+        w = scale[None, :] * (q - zero[None, :]).to(tl.float32)
+    else:
+        g = tl.load(G_IDX + i, mask=i_ok, other=0)
+        scale = tl.load(SCALES + g[:, None] * out_features + j[None, :], mask=tile_ok, other=0.0).to(tl.float32)
+        zword = tl.load(QZEROS + g[:, None] * zero_cols + (j // 8)[None, :], mask=tile_ok, other=0)
+        zero = ((zword >> ((j % 8) * 4)[None, :]) & 15) + ZERO_OFFSET
+        w = scale * (q - zero).to(tl.float32)
+    cols = j.to(tl.int64)[None, :] * in_features
+    tl.store(OUT + cols + i[:, None], w.to(OUT.dtype.element_ty), mask=tile_ok)
+
+
 # 3. launcher --------------------------------------------------------------------------------------
 def _launch(qweight, qzeros, scales, g_idx, dtype, zero_offset, group_size):
     in_features, out_features = qweight.shape[0] * PACK, qweight.shape[1]
     out = torch.empty((out_features, in_features), dtype=dtype, device=qweight.device)
     block_out, block_in = TUNING["block_out"], TUNING["block_in"]
     grouped = group_size > 0 and (group_size >= in_features or group_size % block_in == 0)
+    if not grouped:
+        block_out, block_in = TUNING["act_order_block_out"], TUNING["act_order_block_in"]
     grid = (triton.cdiv(in_features, block_in), triton.cdiv(out_features, block_out))
+    layout = TUNING["layout"] if grouped else TUNING["act_order_layout"]
+    if layout == "in_major":
+        _gptq_dequantize_in_major_kernel[grid](
+            qweight, qzeros, scales, g_idx, out,
+            in_features, out_features, out_features // PACK, group_size if grouped else 1,
+            ZERO_OFFSET=zero_offset, BLOCK_OUT=block_out, BLOCK_IN=block_in, GROUPED=grouped,
+            num_warps=TUNING["warps"],
+        )
+        return out
     _gptq_dequantize_kernel[grid](
         qweight, qzeros, scales, g_idx, out,
         in_features, out_features, out_features // PACK, group_size if grouped else 1,
