@@ -1,0 +1,295 @@
+"""Mixture-of-experts experts block for training: ``out[t] = sum_j w[t, j] * E_{e(t, j)}(x[t])`` with the
+gated expert MLP ``E_e(x) = (act(x G_e^T) * (x U_e^T)) D_e^T``, forward and backward.
+
+Weights in the transformers 5.x layout (Mixtral, Qwen3-MoE, GraniteMoE experts): ``gate_up_proj``
+``[E, 2I, H]`` (rows ``:I`` the gate ``G_e``, rows ``I:`` the up projection ``U_e``), ``down_proj``
+``[E, H, I]``. Routing as the router returns it: ``top_k_index`` ``[T, k]`` (int) and ``top_k_weights``
+``[T, k]``.
+
+How it runs (S = T * k token-expert pairs):
+
+1. the pairs are sorted by expert (stable), ``offs`` = cumulative tokens per expert (on the device, no host
+   synchronisation), the rows of ``x`` gathered into expert order ``xs [S, H]``;
+2. ``h = xs G|U^T`` per expert (one grouped GEMM, ``[S, 2I]``), ``a = act(h[:, :I]) * h[:, I:]`` (foak's GLU
+   kernel on the two halves in place), ``y = a D^T`` per expert (grouped GEMM, ``[S, H]``);
+3. a Triton kernel combines back to token order: ``out[t] = sum_j w[t, j] y[pos(t, j)]`` in fp32, with no
+   scatter and no atomics (each token reads its k rows).
+
+Saved for the backward: ``h`` and ``y`` (and the small index tensors); ``xs`` is gathered again from ``x`` and
+``a`` recomputed from ``h`` by the GLU backward kernel (which also writes ``dh``): the ``[S, I]`` activation
+and the ``[S, H]`` permuted input are not kept. The backward's combine kernel forms ``dy[pos(t, j)] = w[t, j]
+dout[t]`` and the routing-weight gradient ``dw[t, j] = <dout[t], y[pos(t, j)]>`` in one pass over ``dout``.
+
+GEMMs: ``torch._grouped_mm`` (cuBLAS/CUTLASS grouped GEMM) for bf16 on CUDA where torch has it (the same
+kernel transformers' ``grouped_mm`` backend calls); otherwise (fp32, fp16, CPU) one ``torch.mm`` per expert
+with tokens, which needs the per-expert counts on the host (one synchronisation per call). Under autocast
+the weights and input are cast to the autocast dtype, as ``nn.Linear`` would (gradients flow back to the
+weights' own dtype).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from foak.backend import use_triton
+from foak.ops.activations import ACTIVATIONS, _backward_launch, _forward_launch, glu_reference
+
+TUNING = {"block_h": 1024, "warps": 4}
+
+
+# 1. reference -------------------------------------------------------------------------------------
+def moe_experts_reference(hidden, top_k_index, top_k_weights, gate_up_proj, down_proj, activation="silu"):
+    """A loop over experts in plain torch (fp32 accumulation of the combine, as this op does)."""
+    T, H = hidden.shape
+    out = torch.zeros(T, H, dtype=torch.float32, device=hidden.device)
+    inter = down_proj.shape[-1]
+    for e in range(gate_up_proj.shape[0]):
+        token, slot = torch.where(top_k_index == e)
+        if token.numel() == 0:
+            continue
+        h = hidden[token] @ gate_up_proj[e].t()
+        a = glu_reference(h[:, :inter], h[:, inter:], activation)
+        y = a @ down_proj[e].t()
+        out = out.index_add(0, token, y.float() * top_k_weights[token, slot, None].float())
+    return out.to(hidden.dtype)
+
+
+# 2. kernels ---------------------------------------------------------------------------------------
+@triton.jit
+def _combine_kernel(Y, POS, W, OUT, H, K: tl.constexpr, HAS_W: tl.constexpr, BLOCK_H: tl.constexpr):
+    # out[t, cols] = sum_j w[t, j] * y[pos[t, j], cols]  (fp32), one program per (token, column block)
+    t = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    ok = cols < H
+    acc = tl.zeros((BLOCK_H,), dtype=tl.float32)
+    for j in tl.static_range(K):
+        p = tl.load(POS + t * K + j).to(tl.int64)
+        y = tl.load(Y + p * H + cols, mask=ok, other=0.0).to(tl.float32)
+        if HAS_W:
+            y = y * tl.load(W + t * K + j).to(tl.float32)
+        acc += y
+    tl.store(OUT + t * H + cols, acc.to(OUT.dtype.element_ty), mask=ok)
+
+
+@triton.jit
+def _combine_backward_kernel(DOUT, Y, POS, W, DY, DW, H, K: tl.constexpr, K_POW2: tl.constexpr,
+                             BLOCK_H: tl.constexpr):
+    # per token t: dy[pos[t, j]] = w[t, j] * dout[t]; dw[t, j] = <dout[t], y[pos[t, j]]> (fp32 sums)
+    t = tl.program_id(0).to(tl.int64)
+    slots = tl.arange(0, K_POW2)
+    dw = tl.zeros((K_POW2,), dtype=tl.float32)
+    for h0 in range(0, H, BLOCK_H):
+        cols = h0 + tl.arange(0, BLOCK_H)
+        ok = cols < H
+        dout = tl.load(DOUT + t * H + cols, mask=ok, other=0.0).to(tl.float32)
+        for j in tl.static_range(K):
+            p = tl.load(POS + t * K + j).to(tl.int64)
+            w = tl.load(W + t * K + j).to(tl.float32)
+            y = tl.load(Y + p * H + cols, mask=ok, other=0.0).to(tl.float32)
+            tl.store(DY + p * H + cols, (w * dout).to(DY.dtype.element_ty), mask=ok)
+            dw = tl.where(slots == j, dw + tl.sum(dout * y, axis=0), dw)
+    tl.store(DW + t * K + slots, dw.to(DW.dtype.element_ty), mask=slots < K)
+
+
+def _combine(y, pos, w, out_dtype):
+    """[S, H] rows in expert order -> [T, H]: sum over each token's k rows, weighted by w when given."""
+    T, K = pos.shape
+    H = y.shape[1]
+    out = torch.empty((T, H), dtype=out_dtype, device=y.device)
+    if T == 0:
+        return out
+    if not use_triton(y.device):
+        rows = y[pos.reshape(-1)].view(T, K, H).float()
+        if w is not None:
+            rows = rows * w.float()[:, :, None]
+        return out.copy_(rows.sum(1))
+    block = min(TUNING["block_h"], triton.next_power_of_2(H))
+    _combine_kernel[(T, triton.cdiv(H, block))](
+        y, pos, w if w is not None else y, out, H, K=K, HAS_W=w is not None, BLOCK_H=block, num_warps=TUNING["warps"])
+    return out
+
+
+def _combine_backward(dout, y, pos, w):
+    """(dy [S, H] in expert order, dw [T, k])."""
+    T, K = pos.shape
+    H = y.shape[1]
+    dy = torch.empty_like(y)
+    dw = torch.empty((T, K), dtype=w.dtype, device=w.device)
+    if T == 0:
+        return dy, dw
+    if not use_triton(y.device):
+        flat = pos.reshape(-1)
+        d = dout.float()
+        dy[flat] = (d[:, None, :] * w.float()[:, :, None]).reshape(T * K, H).to(dy.dtype)
+        dw.copy_((y[flat].float().view(T, K, H) * d[:, None, :]).sum(-1))
+        return dy, dw
+    block = min(TUNING["block_h"], triton.next_power_of_2(H))
+    _combine_backward_kernel[(T,)](dout, y, pos, w, dy, dw, H, K=K, K_POW2=triton.next_power_of_2(K),
+                                   BLOCK_H=block, num_warps=TUNING["warps"])
+    return dy, dw
+
+
+# 3. grouped GEMMs ---------------------------------------------------------------------------------
+def _use_grouped_mm(*tensors) -> bool:
+    t = tensors[0]
+    return (t.device.type == "cuda" and hasattr(torch, "_grouped_mm") and all(x.dtype == torch.bfloat16 for x in tensors)
+            and all(x.shape[-1] % 8 == 0 for x in tensors))
+
+
+def _gmm(a, b, offs, counts):
+    """Rows of ``a`` [S, K] in expert groups (``offs``) times ``b[e]`` [K, N] -> [S, N]."""
+    if _use_grouped_mm(a, b):
+        return torch._grouped_mm(a, b, offs=offs)
+    out = a.new_empty((a.shape[0], b.shape[-1]))
+    start = 0
+    for e, c in enumerate(counts()):
+        if c:
+            torch.mm(a[start:start + c], b[e], out=out[start:start + c])
+        start += c
+    return out
+
+
+def _gmm_weight(a, b, offs, counts, n_experts):
+    """Per expert group e: ``a_e^T b_e`` with a [S, M], b [S, N] -> [E, M, N] (zero for experts without rows)."""
+    if _use_grouped_mm(a, b):
+        out = torch._grouped_mm(a.t(), b, offs=offs)
+        return out
+    out = a.new_zeros((n_experts, a.shape[1], b.shape[1]))
+    start = 0
+    for e, c in enumerate(counts()):
+        if c:
+            torch.mm(a[start:start + c].t(), b[start:start + c], out=out[e])
+        start += c
+    return out
+
+
+# 4. autograd --------------------------------------------------------------------------------------
+class _MoEExperts(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, hidden, top_k_index, top_k_weights, gate_up_proj, down_proj, activation):
+        T, K = top_k_index.shape
+        E = gate_up_proj.shape[0]
+        inter = down_proj.shape[-1]
+        flat = top_k_index.reshape(-1)
+        order = torch.argsort(flat, stable=True)  # sorted position -> pair index t * K + j
+        pos = torch.empty_like(order)
+        pos[order] = torch.arange(order.numel(), device=order.device)  # pair -> sorted position
+        # tokens per expert without a host synchronisation (bincount would size its output from the max id);
+        # an id outside 0..E-1 fails here (index error on the CPU, device-side assert on CUDA)
+        per_expert = torch.zeros(E, dtype=torch.int64, device=flat.device).scatter_add_(
+            0, flat.long(), torch.ones_like(flat, dtype=torch.int64))
+        offs = torch.cumsum(per_expert, 0, dtype=torch.int32)
+        host_counts = []
+
+        def counts():
+            if not host_counts:
+                host_counts.extend(per_expert.tolist())
+            return host_counts
+
+        src = order // K  # token of each sorted row
+        xs = hidden[src]
+        h = _gmm(xs, gate_up_proj.transpose(1, 2), offs, counts)  # [S, 2I]
+        a = _forward_launch(h[:, :inter], h[:, inter:], activation) if use_triton(h.device) else \
+            glu_reference(h[:, :inter], h[:, inter:], activation)
+        y = _gmm(a, down_proj.transpose(1, 2), offs, counts)  # [S, H]
+        del a, xs
+        pos = pos.view(T, K)
+        out = _combine(y, pos, top_k_weights, hidden.dtype)
+        ctx.save_for_backward(hidden, top_k_weights, gate_up_proj, down_proj, h, y, pos, src, offs, per_expert)
+        ctx.activation = activation
+        ctx.host_counts = host_counts
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        hidden, w, gate_up_proj, down_proj, h, y, pos, src, offs, per_expert = ctx.saved_tensors
+        host_counts = ctx.host_counts
+
+        def counts():
+            if not host_counts:
+                host_counts.extend(per_expert.tolist())
+            return host_counts
+
+        E, inter = gate_up_proj.shape[0], down_proj.shape[-1]
+        dout = dout.contiguous()
+        dy, dw = _combine_backward(dout, y, pos, w)
+        del y
+        da = _gmm(dy, down_proj, offs, counts)  # [S, I]
+        dh = torch.empty_like(h)
+        g, u = h[:, :inter], h[:, inter:]
+        if use_triton(h.device):
+            # writes dh's two halves and a = act(g) * u over da (read first, then overwritten)
+            _backward_launch(da, g, u, dh[:, :inter], dh[:, inter:], ctx.activation, h=da)
+            a = da
+        else:
+            with torch.enable_grad():
+                g_, u_ = g.detach().requires_grad_(), u.detach().requires_grad_()
+                a_ = glu_reference(g_, u_, ctx.activation)
+                dg, du = torch.autograd.grad(a_, (g_, u_), da)
+            dh[:, :inter], dh[:, inter:] = dg, du
+            a = a_.detach()
+        d_down = _gmm_weight(dy, a, offs, counts, E) if ctx.needs_input_grad[4] else None  # [E, H, I]
+        del a, da, dy
+        xs = hidden[src]
+        d_gate_up = _gmm_weight(dh, xs, offs, counts, E) if ctx.needs_input_grad[3] else None  # [E, 2I, H]
+        del xs
+        d_hidden = None
+        if ctx.needs_input_grad[0]:
+            dxs = _gmm(dh, gate_up_proj, offs, counts)  # [S, H]
+            d_hidden = _combine(dxs, pos, None, hidden.dtype)
+        return d_hidden, None, dw if ctx.needs_input_grad[2] else None, d_gate_up, d_down, None
+
+
+# 5. public function -------------------------------------------------------------------------------
+def _check(hidden, top_k_index, top_k_weights, gate_up_proj, down_proj, activation):
+    op = "moe_experts"
+    for name, t in (("hidden", hidden), ("top_k_weights", top_k_weights), ("gate_up_proj", gate_up_proj),
+                    ("down_proj", down_proj)):
+        if not isinstance(t, torch.Tensor) or not t.is_floating_point():
+            raise ValueError(f"{op}: {name} must be a floating-point tensor, got "
+                             + (str(t.dtype) if isinstance(t, torch.Tensor) else type(t).__name__))
+    if not isinstance(top_k_index, torch.Tensor) or top_k_index.dtype not in (torch.int64, torch.int32):
+        raise ValueError(f"{op}: top_k_index must be an int64/int32 tensor [tokens, k]")
+    if hidden.dim() != 2:
+        raise ValueError(f"{op}: hidden must be [tokens, hidden_size], got shape {tuple(hidden.shape)}")
+    T, H = hidden.shape
+    if gate_up_proj.dim() != 3 or down_proj.dim() != 3:
+        raise ValueError(f"{op}: gate_up_proj must be [E, 2I, H] and down_proj [E, H, I]; got "
+                         f"{tuple(gate_up_proj.shape)} and {tuple(down_proj.shape)}")
+    E, two_i, h_in = gate_up_proj.shape
+    if h_in != H or two_i % 2 or tuple(down_proj.shape) != (E, H, two_i // 2):
+        raise ValueError(f"{op}: expected gate_up_proj [E, 2I, H={H}] and down_proj [E, H={H}, I]; got "
+                         f"{tuple(gate_up_proj.shape)} and {tuple(down_proj.shape)} (a transposed or "
+                         "interleaved layout is not supported)")
+    if top_k_index.dim() != 2 or top_k_index.shape[0] != T or tuple(top_k_weights.shape) != tuple(top_k_index.shape):
+        raise ValueError(f"{op}: top_k_index and top_k_weights must both be [tokens={T}, k]; got "
+                         f"{tuple(top_k_index.shape)} and {tuple(top_k_weights.shape)}")
+    if activation not in ACTIVATIONS:
+        raise ValueError(f"{op}: activation must be one of {ACTIVATIONS}, got {activation!r}")
+    devices = {t.device for t in (hidden, top_k_index, top_k_weights, gate_up_proj, down_proj)}
+    if len(devices) != 1:
+        raise ValueError(f"{op}: all tensors must be on one device, got {sorted(str(d) for d in devices)}")
+
+
+def moe_experts(hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor,
+                gate_up_proj: torch.Tensor, down_proj: torch.Tensor, activation: str = "silu") -> torch.Tensor:
+    """The experts block of an MoE layer (see the module docstring): ``hidden`` ``[T, H]``, ``top_k_index``
+    ``[T, k]`` (expert ids in ``0..E-1``), ``top_k_weights`` ``[T, k]``, ``gate_up_proj`` ``[E, 2I, H]``,
+    ``down_proj`` ``[E, H, I]``; ``activation`` of the gate: "silu" (SwiGLU), "gelu" or "gelu_tanh" (GeGLU).
+    Returns ``[T, H]`` in ``hidden``'s dtype (the autocast dtype under autocast). Differentiable in
+    ``hidden``, ``top_k_weights`` and both weights. An expert id outside ``0..E-1`` is an index error (a
+    device-side assert on CUDA), never a silent result."""
+    _check(hidden, top_k_index, top_k_weights, gate_up_proj, down_proj, activation)
+    device_type = hidden.device.type
+    if torch.is_autocast_enabled(device_type):
+        dtype = torch.get_autocast_dtype(device_type)
+        hidden, gate_up_proj, down_proj = hidden.to(dtype), gate_up_proj.to(dtype), down_proj.to(dtype)
+    dtypes = {hidden.dtype, gate_up_proj.dtype, down_proj.dtype}
+    if len(dtypes) != 1:
+        raise ValueError(f"moe_experts: hidden, gate_up_proj and down_proj must share a dtype outside autocast; got "
+                         f"{hidden.dtype}, {gate_up_proj.dtype}, {down_proj.dtype}")
+    with torch.autocast(device_type, enabled=False):
+        return _MoEExperts.apply(hidden.contiguous(), top_k_index, top_k_weights.contiguous(),
+                                 gate_up_proj, down_proj, activation)
