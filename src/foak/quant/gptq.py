@@ -1,9 +1,22 @@
 """GPTQ 4-bit models without a GPTQ library: a linear layer, a round-to-nearest model quantizer, and a
 checkpoint writer and loader for the "gptq" (v1) and "gptq_v2" safetensors layouts.
 
-- :class:`GPTQLinear` holds the packed tensors as buffers under the names GPTQ checkpoints use (``qweight``,
-  ``qzeros``, ``scales``, ``g_idx``, plus a frozen ``bias``) and computes ``x W^T + b`` by dequantizing ``W``
-  with :mod:`foak.ops.gptq` in the forward and again in the backward (no dense weight is kept in between).
+- :class:`GPTQLinear` holds the packed tensors under the names GPTQ checkpoints use (``qweight``, ``qzeros``,
+  ``scales``, ``g_idx``, plus a frozen ``bias``) and computes ``x W^T + b`` by dequantizing ``W`` with
+  :mod:`foak.ops.gptq` in the forward and again in the backward (no dense weight is kept in between).
+- Storage (FSDP2): the packed tensors are frozen *integer* ``nn.Parameter`` s, not buffers, so
+  ``torch.distributed.fsdp.fully_shard`` shards them along dim 0 and all-gathers them bit-exactly: FSDP2's
+  ``MixedPrecisionPolicy`` casts floating-point parameters only, and a group of mixed dtypes is all-gathered
+  as raw bytes. ``qweight``, ``qzeros`` and ``g_idx`` are int32 (``g_idx`` int64 if assigned so); the float
+  ``scales`` are held as their bits in an int32 parameter ``scales_bits`` (two fp16/bf16 scales per word,
+  ``[groups, out / 2]``; fp32 ``[groups, out]``) and ``module.scales`` is the free ``.view`` back to the
+  float dtype. No float view of packed integers exists anywhere, so no mixed-precision cast can meet (and
+  canonicalise) a NaN bit pattern, and int32 is a dtype both NCCL and gloo collectives take (int16 is
+  not). The state dict is the checkpoint's: key ``scales`` in its float dtype (the bits parameter is renamed
+  on save and load). ``model.to(dtype)``, ``.half()`` and PEFT's ``prepare_model_for_kbit_training`` (which
+  casts fp16/bf16 parameters to fp32) leave the weight's bits alone; the parameters never require grad
+  (``model.requires_grad_(True)`` raises torch's error for integer tensors, as on bitsandbytes' 4-bit
+  layers).
 - :func:`quantize_model_gptq` replaces a model's ``nn.Linear`` layers by GPTQLinear (round to nearest, no
   calibration data) and records the ``quantization_config``; :func:`gptq_error_report_model` gives the
   per-layer relative error of the dequantized weights.
@@ -32,7 +45,9 @@ PACK = 8
 CHECKPOINT_FORMATS = {"gptq": 1, "gptq_v2": 0}  # format -> zero_offset
 COMPUTE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 SCALE_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
-BUFFER_NAMES = ("qweight", "qzeros", "scales", "g_idx")
+PACKED_NAMES = ("qweight", "qzeros", "scales", "g_idx")  # the checkpoint names of a quantized layer's tensors
+SCALES_BITS = "scales_bits"  # the parameter holding the scales' bits (int32)
+INDEX_DTYPES = (torch.int32, torch.int64)
 SAFETENSORS_NAME = "model.safetensors"
 SAFETENSORS_INDEX_NAME = "model.safetensors.index.json"
 
@@ -65,12 +80,16 @@ class _GPTQLinearFunction(torch.autograd.Function):
 class GPTQLinear(nn.Module):
     """A linear layer with a frozen GPTQ 4-bit weight (see :mod:`foak.ops.gptq` for the format).
 
-    Buffers (the names of GPTQ checkpoints): ``qweight`` int32 ``[in/8, out]``, ``qzeros`` int32
+    Tensors (the names of GPTQ checkpoints): ``qweight`` int32 ``[in/8, out]``, ``qzeros`` int32
     ``[groups, out/8]``, ``scales`` ``[groups, out]`` (fp16, bf16 or fp32), ``g_idx`` int32 ``[in]``; ``bias``
-    is an optional parameter with ``requires_grad=False``. ``zero_offset`` is 1 for "gptq" (v1) checkpoints and
-    0 for "gptq_v2"; ``compute_dtype`` is the dtype the weight dequantizes to and the GEMM runs in (the input
-    is cast to it, the output back to the input's dtype). ``module.to(dtype)`` changes ``compute_dtype`` and the
-    bias but leaves ``scales`` in their stored dtype, so the weight's values never change.
+    is an optional parameter with ``requires_grad=False``. All are frozen parameters, the integers stored as
+    integers and the scales as their bits (the ``scales_bits`` int32 parameter; ``scales`` reads it as the float
+    view), so FSDP2 shards them and gathers them bit-exactly (module docstring). Assigning a tensor to one of
+    the four names replaces it (as for a buffer). ``state_dict()`` / ``load_state_dict()`` use the checkpoint
+    keys and dtypes (``scales`` float). ``zero_offset`` is 1 for "gptq" (v1) checkpoints and 0 for "gptq_v2";
+    ``compute_dtype`` is the dtype the weight dequantizes to and the GEMM runs in (the input is cast to it, the
+    output back to the input's dtype). ``module.to(dtype)`` changes ``compute_dtype`` and the bias but never the
+    packed tensors, so the weight's values never change.
     """
 
     bits = BITS
@@ -97,10 +116,10 @@ class GPTQLinear(nn.Module):
         self.group_size, self.zero_offset, self.compute_dtype = group_size, zero_offset, compute_dtype
         groups = _n_groups(in_features, group_size)
         packed = (in_features // PACK, out_features)
-        self.register_buffer("qweight", torch.zeros(packed, dtype=torch.int32, device=device))
-        self.register_buffer("qzeros", torch.zeros(groups, out_features // PACK, dtype=torch.int32, device=device))
-        self.register_buffer("scales", torch.zeros(groups, out_features, dtype=scales_dtype, device=device))
-        self.register_buffer("g_idx", gptq_group_index(in_features, group_size, device=device))
+        self.qweight = torch.zeros(packed, dtype=torch.int32, device=device)
+        self.qzeros = torch.zeros(groups, out_features // PACK, dtype=torch.int32, device=device)
+        self.scales = torch.zeros(groups, out_features, dtype=scales_dtype, device=device)
+        self.g_idx = gptq_group_index(in_features, group_size, device=device)
         if bias:
             self.bias = nn.Parameter(torch.zeros(out_features, dtype=compute_dtype, device=device), requires_grad=False)
         else:
@@ -117,22 +136,107 @@ class GPTQLinear(nn.Module):
         module = cls(linear.in_features, linear.out_features, linear.bias is not None, group_size=group_size,
                      zero_offset=zero_offset, compute_dtype=compute_dtype, device=weight.device)
         packed = gptq_quantize_rtn(weight, group_size, sym=sym, act_order=act_order, zero_offset=zero_offset)
-        for name in BUFFER_NAMES:
-            getattr(module, name).copy_(packed[name])
+        with torch.no_grad():
+            for name in PACKED_NAMES:
+                getattr(module, name).copy_(packed[name])
         if linear.bias is not None:
             module.bias.data.copy_(linear.bias.detach())
         return module
 
+    # storage: frozen integer parameters, the scales as their bits ----------------------------------
+    @property
+    def scales(self) -> torch.Tensor:
+        """The scales ``[groups, out]`` in their stored float dtype: a view of the ``scales_bits`` parameter."""
+        return self._parameters[SCALES_BITS].view(self._scales_dtype)
+
+    @property
+    def scales_dtype(self) -> torch.dtype:
+        return self._scales_dtype
+
+    def __setattr__(self, name, value):
+        if name in PACKED_NAMES and "_parameters" in self.__dict__:
+            self._set_packed(name, value)
+        else:
+            super().__setattr__(name, value)
+
+    def _set_packed(self, name: str, value) -> None:
+        """Store ``value`` as the packed tensor ``name`` (a checkpoint name): a frozen parameter sharing its
+        storage (the scales: their bits, in ``scales_bits``)."""
+        if not isinstance(value, torch.Tensor):
+            raise ValueError(f"GPTQLinear.{name} must be a torch.Tensor, got {type(value).__name__}")
+        if name == "scales":
+            if value.dtype not in SCALE_DTYPES:
+                raise ValueError(f"GPTQLinear.scales must be torch.float16, torch.bfloat16 or torch.float32, got "
+                                 f"{value.dtype}")
+            if value.dim() != 2 or (value.element_size() == 2 and value.shape[-1] % 2):
+                raise ValueError(f"GPTQLinear.scales must be 2-D [groups, out_features] (out_features a multiple of "
+                                 f"8), got shape {tuple(value.shape)}")
+            value = value.detach().contiguous()
+            if value.storage_offset() % 2:  # a view into the middle of a word cannot be read as int32
+                value = value.clone()
+            self._scales_dtype = value.dtype
+            name, value = SCALES_BITS, value.view(torch.int32)
+        else:
+            allowed = INDEX_DTYPES if name == "g_idx" else (torch.int32,)
+            if value.dtype not in allowed:
+                raise ValueError(f"GPTQLinear.{name} must be " + " or ".join(str(d) for d in allowed)
+                                 + f", got {value.dtype}")
+        if not (isinstance(value, nn.Parameter) and not value.requires_grad):
+            value = nn.Parameter(value.detach(), requires_grad=False)
+        super().__setattr__(name, value)  # (weight_object() sees the new tensor; FSDP2 swaps its own in here)
+
+    def _save_to_state_dict(self, destination, prefix, keep_vars):
+        # the checkpoint's layout: "scales" in its float dtype where the bits parameter is
+        names = [n for n, p in self._parameters.items() if p is not None]
+        super()._save_to_state_dict(destination, prefix, keep_vars)
+        for name in names:  # this module's entries again, in order, the scales read back as floats
+            value = destination.pop(prefix + name)
+            if name == SCALES_BITS:
+                name, value = "scales", value.view(self._scales_dtype)
+            destination[prefix + name] = value
+
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                              error_msgs):
+        # "scales" (float) -> the bits parameter; a dtype or shape other than this layer's is an error
+        key, bits_key = prefix + "scales", prefix + SCALES_BITS
+        refused = False
+        if key in state_dict:
+            value = state_dict[key]
+            state_dict = {k: v for k, v in state_dict.items() if k != key}
+            if not isinstance(value, torch.Tensor) or value.dtype != self._scales_dtype:
+                dtype = value.dtype if isinstance(value, torch.Tensor) else type(value).__name__
+                error_msgs.append(f"{key}: the state dict holds {dtype} scales but this GPTQLinear stores "
+                                  f"{self._scales_dtype} (a conversion would change the weight); build the layer "
+                                  f"with scales_dtype={dtype} or assign module.scales")
+                refused = True
+            elif tuple(value.shape) != tuple(self.scales.shape):
+                error_msgs.append(f"size mismatch for {key}: copying a param with shape {tuple(value.shape)} from "
+                                  f"checkpoint, the shape in current model is {tuple(self.scales.shape)}.")
+                refused = True
+            else:
+                value = value.detach().contiguous()
+                state_dict[bits_key] = (value.clone() if value.storage_offset() % 2 else value).view(torch.int32)
+        n_missing = len(missing_keys)
+        super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                                      error_msgs)
+        missing_keys[n_missing:] = [key if k == bits_key else k for k in missing_keys[n_missing:]
+                                    if not (refused and k == bits_key)]
+
     def weight_object(self) -> GPTQWeight:
-        """The frozen :class:`foak.ops.gptq.GPTQWeight` over this layer's buffers (what foak's LoRA ops take),
-        built once and rebuilt when a buffer's storage, version or the compute dtype changes."""
-        key = tuple((t.data_ptr(), t.device, t.dtype, t._version) for t in (getattr(self, n) for n in BUFFER_NAMES))
-        key += (self.compute_dtype, self.zero_offset)
-        if self._weight_cache is None or self._weight_cache[0] != key:
+        """The frozen :class:`foak.ops.gptq.GPTQWeight` over this layer's tensors (what foak's LoRA ops take),
+        built (and validated: one host synchronisation) once, and again when a tensor is replaced, changes
+        storage, device or version, or the compute dtype changes. The key is the storage object, not its
+        address: FSDP2 frees the gathered storage after each forward and re-allocates it in place (the address
+        may change, the storage and its tensors stay), which needs no rebuild."""
+        tensors = [self._parameters[n] for n in ("qweight", "qzeros", SCALES_BITS, "g_idx")]
+        key = [(t.untyped_storage()._cdata, t.storage_offset(), t.shape, t.stride(), t.dtype, t.device, t._version)
+               for t in tensors] + [self._scales_dtype, self.compute_dtype, self.zero_offset]
+        cache = self._weight_cache
+        if cache is None or cache[2] != key or any(a is not b for a, b in zip(cache[0], tensors)):
             weight = GPTQWeight(self.qweight, self.qzeros, self.scales, self.g_idx, self.compute_dtype,
                                 zero_offset=self.zero_offset, bits=self.bits)
-            self._weight_cache = (key, weight)
-        return self._weight_cache[1]
+            self._weight_cache = cache = (tensors, weight, key)
+        return cache[1]
 
     def dequantize(self, dtype: torch.dtype | None = None) -> torch.Tensor:
         """A dense ``[out, in]`` copy of the weight (default dtype: ``compute_dtype``)."""
@@ -154,18 +258,20 @@ class GPTQLinear(nn.Module):
         return y.to(x.dtype)
 
     def _apply(self, fn, recurse=True):
-        # Float casts reach compute_dtype and the bias; scales keep their stored dtype (fp16 -> bf16 would
-        # change the weight) and only follow the device.
-        scales = self._buffers.pop("scales")
-        try:
-            super()._apply(fn, recurse)
-        finally:
-            moved = fn(scales)
-            if moved.dtype != scales.dtype:
-                if moved.dtype in COMPUTE_DTYPES:
-                    self.compute_dtype = moved.dtype
-                moved = scales.to(device=moved.device)
-            self._buffers["scales"] = moved
+        # Float casts reach compute_dtype and the bias; the packed tensors (all integers) keep their dtype
+        # (even under module.type(...), which would cast them) and only follow the device.
+        probe = fn(torch.empty(0, dtype=self.compute_dtype, device=self.qweight.device))
+
+        def keep_integers(t):
+            moved = fn(t)
+            if moved.dtype != t.dtype and not (t.is_floating_point() or t.is_complex()):
+                moved = t.to(device=moved.device)
+            return moved
+
+        super()._apply(keep_integers, recurse)
+        self._weight_cache = None  # (it would keep the storages left behind alive)
+        if probe.dtype in COMPUTE_DTYPES:
+            self.compute_dtype = probe.dtype
         return self
 
     def extra_repr(self) -> str:
@@ -209,7 +315,7 @@ def quantize_model_gptq(model: nn.Module, group_size: int = 128, sym: bool = Tru
     for name, linear in targets:
         quantized = GPTQLinear.from_linear(linear, group_size, sym=sym, act_order=act_order)
         if report is not None:
-            report[name] = gptq_error_report(linear.weight, {n: getattr(quantized, n) for n in BUFFER_NAMES})
+            report[name] = gptq_error_report(linear.weight, {n: getattr(quantized, n) for n in PACKED_NAMES})
         _replace(model, name, quantized)
     config = getattr(model, "config", None)
     if config is not None:
@@ -231,7 +337,7 @@ def gptq_error_report_model(dense_model: nn.Module, quantized_model: nn.Module) 
         linear = dense.get(name)
         if not isinstance(linear, nn.Linear):
             raise ValueError(f"gptq_error_report_model: dense_model has no nn.Linear named {name!r}")
-        out[name] = gptq_error_report(linear.weight, {n: getattr(module, n) for n in BUFFER_NAMES},
+        out[name] = gptq_error_report(linear.weight, {n: getattr(module, n) for n in PACKED_NAMES},
                                       zero_offset=module.zero_offset)
     if not out:
         raise ValueError("gptq_error_report_model: quantized_model has no GPTQLinear layers")
@@ -252,8 +358,9 @@ def _unique_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
 
 
 def save_gptq(model: nn.Module, path: str | os.PathLike) -> None:
-    """Write ``config.json`` (with ``quantization_config``) and ``model.safetensors`` (the GPTQLinear buffers
-    under their checkpoint names, every other parameter and persistent buffer once) to the directory ``path``."""
+    """Write ``config.json`` (with ``quantization_config``) and ``model.safetensors`` (the GPTQLinear tensors
+    under their checkpoint names and dtypes, every other parameter and persistent buffer once) to the directory
+    ``path``."""
     from safetensors.torch import save_file
 
     config = getattr(model, "config", None)
@@ -469,10 +576,10 @@ def load_gptq(path: str | os.PathLike, dtype: torch.dtype = torch.bfloat16, devi
         module_name, _, attr = key.rpartition(".")
         module = modules[module_name] if module_name else model
         tensor = checkpoint.get(key)
-        if isinstance(module, GPTQLinear) and attr in BUFFER_NAMES:
+        if isinstance(module, GPTQLinear) and attr in PACKED_NAMES:
             if attr == "g_idx":
                 tensor = tensor.to(torch.int32)
-            module._buffers[attr] = tensor.to(device)
+            setattr(module, attr, tensor.to(device))  # a frozen parameter (the scales: their bits)
         elif attr in module._parameters:
             old = module._parameters[attr]
             value = tensor.to(device=device, dtype=dtype if tensor.is_floating_point() else tensor.dtype)
@@ -483,7 +590,7 @@ def load_gptq(path: str | os.PathLike, dtype: torch.dtype = torch.bfloat16, devi
             module._buffers[attr] = value
     for module in model.modules():
         if isinstance(module, GPTQLinear) and module.g_idx.device.type == "meta":  # no g_idx stored: plain
-            module._buffers["g_idx"] = gptq_group_index(module.in_features, group_size, device=device)
+            module.g_idx = gptq_group_index(module.in_features, group_size, device=device)
     if hasattr(model, "tie_weights"):
         model.tie_weights()
     still_meta = [n for n, t in list(model.named_parameters()) + list(model.named_buffers()) if t.device.type == "meta"]
