@@ -134,3 +134,13 @@ def test_errors():
         moe_experts(x.double(), idx, w, gu, dn)
     with pytest.raises((IndexError, RuntimeError)):
         moe_experts(x, torch.full_like(idx, E), w, gu, dn)  # expert id out of range
+
+
+def test_second_backward_is_an_error():
+    module = experts()
+    idx, w = routing(9, 2)
+    x = torch.randn(9, H, requires_grad=True)
+    y = moe_experts(x, idx, w, module.gate_up_proj, module.down_proj)
+    y.sum().backward(retain_graph=True)
+    with pytest.raises(RuntimeError, match="backward ran twice"):
+        y.sum().backward()

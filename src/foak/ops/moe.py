@@ -16,8 +16,9 @@ How it runs (S = T * k token-expert pairs):
    scatter and no atomics (each token reads its k rows).
 
 Saved for the backward: ``h`` and ``y`` (and the small index tensors); ``xs`` is gathered again from ``x`` and
-``a`` recomputed from ``h`` by the GLU backward kernel (which also writes ``dh``): the ``[S, I]`` activation
-and the ``[S, H]`` permuted input are not kept. The backward's combine kernel forms ``dy[pos(t, j)] = w[t, j]
+``a`` recomputed from ``h`` by the GLU backward kernel, which writes ``dh`` over ``h`` and ``a`` over ``da``
+(so one backward per forward: a second one through the same graph is an error): the ``[S, I]`` activation
+and the ``[S, H]`` permuted input are not kept, and the backward allocates no second ``[S, 2I]`` buffer. The backward's combine kernel forms ``dy[pos(t, j)] = w[t, j]
 dout[t]`` and the routing-weight gradient ``dw[t, j] = <dout[t], y[pos(t, j)]>`` in one pass over ``dout``.
 
 GEMMs: ``torch._grouped_mm`` (cuBLAS/CUTLASS grouped GEMM) for bf16 on CUDA where torch has it (the same
@@ -200,10 +201,16 @@ class _MoEExperts(torch.autograd.Function):
         ctx.save_for_backward(hidden, top_k_weights, gate_up_proj, down_proj, h, y, pos, src, offs, per_expert)
         ctx.activation = activation
         ctx.host_counts = host_counts
+        ctx.consumed = False
         return out
 
     @staticmethod
     def backward(ctx, dout):
+        if ctx.consumed:
+            raise RuntimeError("moe_experts: backward ran twice through the same forward (retain_graph=True); its "
+                               "backward overwrites the saved [S, 2I] activations with their gradient to save "
+                               "memory, so run the forward again instead")
+        ctx.consumed = True
         hidden, w, gate_up_proj, down_proj, h, y, pos, src, offs, per_expert = ctx.saved_tensors
         host_counts = ctx.host_counts
 
@@ -217,13 +224,15 @@ class _MoEExperts(torch.autograd.Function):
         dy, dw = _combine_backward(dout, y, pos, w)
         del y
         da = _gmm(dy, down_proj, offs, counts)  # [S, I]
-        dh = torch.empty_like(h)
         g, u = h[:, :inter], h[:, inter:]
         if use_triton(h.device):
-            # writes dh's two halves and a = act(g) * u over da (read first, then overwritten)
-            _backward_launch(da, g, u, dh[:, :inter], dh[:, inter:], ctx.activation, h=da)
+            # in place: dh over h (this op's own buffer) and a = act(g) * u over da; each element is read
+            # before the same thread overwrites it
+            dh = h
+            _backward_launch(da, g, u, g, u, ctx.activation, h=da)
             a = da
         else:
+            dh = torch.empty_like(h)
             with torch.enable_grad():
                 g_, u_ = g.detach().requires_grad_(), u.detach().requires_grad_()
                 a_ = glu_reference(g_, u_, ctx.activation)
