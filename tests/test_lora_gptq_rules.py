@@ -71,11 +71,21 @@ def test_gptq_linear_under_autocast_runs_its_gemm_in_the_autocast_dtype():
     dense = nn.Linear(64, 40, bias=True)
     layer = GPTQLinear.from_linear(dense, group_size=32)
     w = layer.dequantize(torch.float32)
+    from foak.ops import gptq_matmul as mm_mod
+
     x = torch.randn(3, 64, requires_grad=True)
     with torch.autocast("cpu", dtype=torch.bfloat16):
-        out = layer(x)
+        fused = layer(x)  # 3 rows: the GEMM with the dequantization inside (foak.ops.gptq_matmul)
+        mm_mod.TUNING["max_rows"], max_rows = 0, mm_mod.TUNING["max_rows"]
+        try:
+            out = layer(x)  # dequantize + torch's GEMM
+        finally:
+            mm_mod.TUNING["max_rows"] = max_rows
         ref = nn.functional.linear(x.detach().bfloat16(), w.bfloat16(), layer.bias.bfloat16())
     assert out.dtype == torch.float32 and torch.equal(out, ref.float())
+    exact = nn.functional.linear(x.detach().bfloat16().double(), w.bfloat16().double(), layer.bias.bfloat16().double())
+    assert fused.dtype == torch.float32
+    assert (fused.double() - exact).abs().max() <= 2 * (ref.double() - exact).abs().max() + 1e-6
     (gx,) = torch.autograd.grad(out.sum(), x)
     assert gx.dtype == torch.float32
     assert torch.equal(gx, (torch.ones(3, 40, dtype=torch.bfloat16) @ w.bfloat16()).float())

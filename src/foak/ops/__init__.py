@@ -14,8 +14,10 @@ from foak.ops.gptq import (
     gptq_group_index,
     gptq_quantize_rtn,
 )
+from foak.ops.gptq_matmul import gptq_linear, gptq_matmul, gptq_matmul_reference
 from foak.ops.lora import lora_dropout_mask, lora_linear, lora_linear_reference, lora_linears
 from foak.ops.lora_glu_linear import lora_glu_linear, lora_glu_linear_reference
+from foak.ops.moe import moe_experts, moe_experts_reference
 from foak.ops.nf4 import NF4Weight, nf4_dequantize, nf4_dequantize_reference
 from foak.ops.rms_norm import rms_norm, rms_norm_reference
 from foak.ops.rope import rope, rope_reference
@@ -33,6 +35,9 @@ __all__ = [
     "gptq_dequantize_reference",
     "gptq_error_report",
     "gptq_group_index",
+    "gptq_linear",
+    "gptq_matmul",
+    "gptq_matmul_reference",
     "gptq_quantize_rtn",
     "lora_dropout_mask",
     "lora_glu_linear",
@@ -40,6 +45,8 @@ __all__ = [
     "lora_linear",
     "lora_linear_reference",
     "lora_linears",
+    "moe_experts",
+    "moe_experts_reference",
     "nf4_dequantize",
     "nf4_dequantize_reference",
     "rms_norm",

@@ -32,7 +32,8 @@ from foak.ops.gptq import PACK, GPTQWeight
 # that many rows (plain groups / act-order) and dequantize + cuBLAS above.
 TUNING = {"block_m": 16, "block_n": 128, "block_k": 64, "split_k": 8, "warps": 4, "stages": 3, "by_nibble": False,
           "max_rows": 64, "act_order_max_rows": 0, "wide_from_rows": 17,
-          "wide": {"block_m": 64, "block_n": 128, "block_k": 128, "split_k": 4}}  # "wide": overrides from that many rows
+          "wide": {"block_k": 128, "split_k": 2}}  # "wide": overrides from that many rows on
+# (the fastest tiles of the H200 sweep for 1-16 and 17-64 rows: benchmarks/results/gptq_matmul_h200.json)
 
 
 # 1. reference -------------------------------------------------------------------------------------
@@ -141,20 +142,22 @@ def _launch(x2, qweight, qzeros, scales, g_idx, zero_offset, group_size):
     return out
 
 
-def _matmul_fake(x2, qweight, qzeros, scales, g_idx, zero_offset, group_size):
+def _matmul_fake(x2, qweight, qzeros, scales, g_idx, bias, zero_offset, group_size):
     return x2.new_empty((x2.shape[0], qweight.shape[1]))
 
 
 @custom_op("gptq_matmul", _matmul_fake)
 def _matmul_op(x2: torch.Tensor, qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor,
-               g_idx: torch.Tensor, zero_offset: int, group_size: int) -> torch.Tensor:
+               g_idx: torch.Tensor, bias: torch.Tensor | None, zero_offset: int, group_size: int) -> torch.Tensor:
     partial = _launch(x2, qweight, qzeros, scales, g_idx, zero_offset, group_size)
     out = partial[0] if partial.shape[0] == 1 else partial.sum(0)
+    if bias is not None:  # in fp32, before the one rounding to x's dtype
+        out = out + bias.float()
     return out.to(x2.dtype)
 
 
-def _fused(x2: torch.Tensor, weight: GPTQWeight) -> torch.Tensor:
-    return _matmul_op(x2, weight.qweight, weight.qzeros, weight.scales, weight.g_idx, weight.zero_offset,
+def _fused(x2: torch.Tensor, weight: GPTQWeight, bias) -> torch.Tensor:
+    return _matmul_op(x2, weight.qweight, weight.qzeros, weight.scales, weight.g_idx, bias, weight.zero_offset,
                       weight._group_size)
 
 
@@ -172,9 +175,7 @@ class _GPTQLinearFunction(torch.autograd.Function):
         x2 = x.reshape(-1, x.shape[-1])
         if x2.stride(-1) != 1:
             x2 = x2.contiguous()
-        y = _fused(x2, weight)
-        if bias is not None:
-            y = y + bias
+        y = _fused(x2, weight, bias)
         return y.reshape(*x.shape[:-1], y.shape[-1])
 
     @staticmethod
@@ -198,9 +199,8 @@ def _check(op, x, weight, bias):
     if x.shape[-1] != in_features:
         raise ValueError(f"{op}: x has {x.shape[-1]} features in its last dimension; the weight "
                          f"{tuple(weight.shape)} takes in_features={in_features}")
-    if x.dtype != weight.dtype:
-        raise ValueError(f"{op}: x is {x.dtype} but the weight computes in {weight.dtype}; cast x (or build the "
-                         f"GPTQWeight with dtype={x.dtype})")
+    if x.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        raise ValueError(f"{op}: x must be float32, bfloat16 or float16, got {x.dtype}")
     if x.device != weight.device:
         raise ValueError(f"{op}: x is on {x.device} but the weight on {weight.device}")
     if bias is not None:
@@ -213,8 +213,10 @@ def _check(op, x, weight, bias):
 
 def gptq_matmul(x: torch.Tensor, weight: GPTQWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
     """``x W^T + b`` for a GPTQ :class:`~foak.ops.gptq.GPTQWeight` ``W`` with the dequantization inside the
-    GEMM (any number of rows; see :func:`gptq_linear` for the choice by row count). ``x`` ``[..., in]`` of
-    the weight's compute dtype; ``bias`` ``[out]`` of that dtype or None. Differentiable in ``x`` and ``bias``.
+    GEMM (any number of rows; see :func:`gptq_linear` for the choice by row count). ``x`` ``[..., in]``
+    (fp32, bf16 or fp16): the GEMM runs in x's dtype on the weight dequantized to it (bit-identical to
+    ``weight.dequantize(x.dtype)``), which may differ from the weight's default compute dtype; ``bias``
+    ``[out]`` of x's dtype or None. Differentiable in ``x`` and ``bias``.
     Without Triton for ``x``'s device (CPU outside the interpreter) it runs the dense path of gptq_linear."""
     _check("gptq_matmul", x, weight, bias)
     return _GPTQLinearFunction.apply(x, weight, bias, use_triton(x.device))

@@ -2,8 +2,10 @@
 checkpoint writer and loader for the "gptq" (v1) and "gptq_v2" safetensors layouts.
 
 - :class:`GPTQLinear` holds the packed tensors under the names GPTQ checkpoints use (``qweight``, ``qzeros``,
-  ``scales``, ``g_idx``, plus a frozen ``bias``) and computes ``x W^T + b`` by dequantizing ``W`` with
-  :mod:`foak.ops.gptq` in the forward and again in the backward (no dense weight is kept in between).
+  ``scales``, ``g_idx``, plus a frozen ``bias``) and computes ``x W^T + b`` with
+  :func:`foak.ops.gptq_matmul.gptq_linear`: for few rows (decoding) one Triton GEMM that dequantizes in its
+  inner loop, otherwise ``W`` dequantized by :mod:`foak.ops.gptq` for cuBLAS; the backward dequantizes again
+  (no dense weight is kept in between).
 - Storage (FSDP2): the packed tensors are frozen *integer* ``nn.Parameter`` s, not buffers, so
   ``torch.distributed.fsdp.fully_shard`` shards them along dim 0 and all-gathers them bit-exactly: FSDP2's
   ``MixedPrecisionPolicy`` casts floating-point parameters only, and a group of mixed dtypes is all-gathered
@@ -39,6 +41,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from foak.ops.gptq import GPTQWeight, gptq_error_report, gptq_group_index, gptq_quantize_rtn
+from foak.ops.gptq_matmul import gptq_linear
 
 BITS = 4
 PACK = 8
@@ -57,26 +60,6 @@ def _n_groups(in_features: int, group_size: int) -> int:
 
 
 # 1. the layer -------------------------------------------------------------------------------------
-class _GPTQLinearFunction(torch.autograd.Function):
-    """y = x W^T + b with W dequantized from a GPTQWeight; the backward dequantizes again for dx."""
-
-    @staticmethod
-    def forward(ctx, x, weight, bias, compute_dtype):
-        ctx.weight = weight
-        ctx.compute_dtype = compute_dtype
-        ctx.bias_grad = bias is not None and ctx.needs_input_grad[2]
-        return F.linear(x, weight.dequantize(compute_dtype), bias)
-
-    @staticmethod
-    def backward(ctx, grad_out):
-        grad_x = grad_bias = None
-        if ctx.needs_input_grad[0]:
-            grad_x = grad_out.matmul(ctx.weight.dequantize(ctx.compute_dtype))
-        if ctx.bias_grad:
-            grad_bias = grad_out.reshape(-1, grad_out.shape[-1]).sum(0)
-        return grad_x, None, grad_bias, None
-
-
 class GPTQLinear(nn.Module):
     """A linear layer with a frozen GPTQ 4-bit weight (see :mod:`foak.ops.gptq` for the format).
 
@@ -254,7 +237,7 @@ class GPTQLinear(nn.Module):
         if bias is not None and bias.dtype != dtype:
             bias = bias.to(dtype)
         with torch.autocast(device_type, enabled=False):
-            y = _GPTQLinearFunction.apply(x.to(dtype), self.weight_object(), bias, dtype)
+            y = gptq_linear(x.to(dtype), self.weight_object(), bias)
         return y.to(x.dtype)
 
     def _apply(self, fn, recurse=True):
