@@ -180,6 +180,7 @@ def run_one(model_name: str, variant: str, checkpointing: bool = False, packed: 
         extra = {"fused_lora": True} if lora else {}
         report = (foak.patch(model, fast_rms_layernorm=True, fast_rope_embeddings=True,
                                 fast_swiglu="swiglu" in switches, fused_linear_loss=True,
+                                fast_moe="moe" in switches,
                                 mixed_precision="bf16" if autocast else "no", **extra))
     elif variant == "liger":
         import liger_kernel.transformers as liger
