@@ -8,9 +8,7 @@ import torch
 from foak.patching.rules import PatchReport, Rule, RuleResult, Trigger, apply, is_patched, restore
 
 # config switches with no implementation yet: enabling one is an error, never a silent no-op
-NOT_IMPLEMENTED = {
-    "moe": "fast_moe (fused MoE experts) is not implemented yet",
-}
+NOT_IMPLEMENTED: dict[str, str] = {}
 
 
 def patch(model, config=None, *, mixed_precision: str | None = None, **switches) -> PatchReport:

@@ -1,9 +1,18 @@
 """The generic patching mechanism: rules, triggers, apply / restore and the report.
 
-A :class:`Rule` says: every module that matches its :class:`Trigger` gets its ``forward`` replaced by what
-the rule's ``patch`` function returns (an instance attribute, so the class and every other model stay
-untouched). ``patch`` may also install something module-global through the :class:`PatchState` it
-receives, which undoes it on restore. Parameters, buffers and therefore ``state_dict()`` are never touched.
+A :class:`Rule` says what happens to every module that matches its :class:`Trigger`. Two kinds:
+
+- ``kind="forward"``: the module's ``forward`` is replaced by what the rule's ``patch`` function returns
+  (an instance attribute, so the class and every other model stay untouched);
+- ``kind="implementation"``: the module already dispatches at call time on a setting it reads (e.g.
+  transformers' experts modules on ``config._experts_implementation``); ``patch`` returns a
+  :class:`Selection` (set this attribute of that object to this value), which apply sets once per object
+  and restore puts back exactly as it was.
+
+For either kind ``patch`` may return :class:`Skip` instead: the module stays as it is, and the reason is
+counted in the rule's report row. ``patch`` may also install something module-global through the
+:class:`PatchState` it receives, which undoes it on restore. Parameters, buffers and therefore
+``state_dict()`` are never touched.
 
 The :class:`PatchReport` tells what runs when it is read, not what ran when the model was patched: its
 backend column comes from the dispatch setting (foak.backend) and the devices the model's parameters are
@@ -42,11 +51,38 @@ class Trigger:
 
 
 @dataclass(frozen=True)
+class Skip:
+    """Returned by a Rule's ``patch`` to leave one matched module as it is; ``reason`` is counted in the
+    rule's report row ("1 GraniteMoeExperts module not patched: expert biases"), never silent."""
+
+    reason: str
+
+
+@dataclass(frozen=True)
+class Selection:
+    """Returned by the ``patch`` of a ``kind="implementation"`` rule: set ``target.<attribute>`` to
+    ``value`` (e.g. the implementation name on the config a module reads it from). Several modules may
+    select the same value on one shared target: it is set once, and restore puts back what was there (the
+    previous instance value, or no instance attribute at all). Two different values for one target are an
+    error. ``label`` names the setting in the report row (default: the attribute's name)."""
+
+    target: object
+    attribute: str
+    value: object
+    label: str | None = None
+
+
+RULE_KINDS = ("forward", "implementation")
+
+
+@dataclass(frozen=True)
 class Rule:
     """``id`` is stable (``llama.rms_norm``); ``switch`` is the config switch that enables it (see
-    foak.config: rms_norm, rope, swiglu, loss, fused_linear_loss). ``patch(module, model, state)`` returns
-    the new forward of ``module``. ``skip_reason(model)`` may explain why the rule does not apply to this
-    model (reported, never silent). ``state.result`` is the rule's report row while ``patch`` runs: a
+    foak.config: rms_norm, rope, swiglu, loss, fused_linear_loss, lora, moe). ``patch(module, model, state)``
+    returns, for ``kind="forward"``, the new forward of ``module``; for ``kind="implementation"``, the
+    :class:`Selection` that makes the module run foak's implementation; for either, :class:`Skip` to leave
+    this module alone (with the reason). ``skip_reason(model)`` may explain why the rule does not apply to
+    this model (reported, never silent). ``state.result`` is the rule's report row while ``patch`` runs: a
     replacement that keeps it can report what happens at call time with ``note_runtime``.
     ``describe(model)`` may add a patch-time note to the row once matching is done (e.g. which modules of
     the model the trigger left out, and why)."""
@@ -54,9 +90,14 @@ class Rule:
     id: str
     switch: str
     trigger: Trigger
-    patch: Callable[[nn.Module, nn.Module, PatchState], Callable]
+    patch: Callable[[nn.Module, nn.Module, PatchState], Callable | Selection | Skip]
     skip_reason: Callable[[nn.Module], str | None] | None = None
     describe: Callable[[nn.Module], str | None] | None = None
+    kind: str = "forward"
+
+    def __post_init__(self):
+        if self.kind not in RULE_KINDS:
+            raise ValueError(f"Rule {self.id}: kind must be one of {RULE_KINDS}, got {self.kind!r}")
 
 
 class RuleResult:
@@ -142,6 +183,8 @@ class PatchState:
         self.result: RuleResult | None = None  # the row of the rule being applied
         self.forwards: list[tuple[nn.Module, object]] = []  # (module, previous instance forward or _MISSING)
         self.undo: list[Callable[[], None]] = []
+        # (id(target), attribute) -> (target, value set, value before): the Selections made so far
+        self.selected: dict[tuple[int, str], tuple[object, object, object]] = {}
 
     def set_forward(self, module: nn.Module, forward: Callable) -> None:
         self.forwards.append((module, module.__dict__.get("forward", _MISSING)))
@@ -149,6 +192,44 @@ class PatchState:
 
     def on_restore(self, fn: Callable[[], None]) -> None:
         self.undo.append(fn)
+
+    def previous_value(self, target: object, attribute: str, default=None):
+        """``target.<attribute>`` as it was before this patch set it (its current value if it did not)."""
+        entry = self.selected.get((id(target), attribute))
+        if entry is not None:
+            return default if entry[2] is _MISSING else entry[2]
+        return getattr(target, attribute, default)
+
+    def set_attribute(self, target: object, attribute: str, value: object) -> bool:
+        """Set ``target.<attribute> = value`` until restore (see :class:`Selection`); False if this patch had
+        already set it to that value."""
+        key = (id(target), attribute)
+        entry = self.selected.get(key)
+        if entry is not None:
+            if entry[1] != value:
+                raise ValueError(f"foak: two rules set {type(target).__name__}.{attribute} to {entry[1]!r} and "
+                                 f"{value!r}; they cannot both apply")
+            return False
+        if hasattr(getattr(type(target), attribute, None), "__set__"):  # a property: set back through it
+            previous = getattr(target, attribute)
+            self.selected[key] = (target, value, previous)
+            setattr(target, attribute, value)
+            self.undo.append(lambda: setattr(target, attribute, previous))
+            return True
+        own = vars(target)
+        previous = own.get(attribute, _MISSING)
+        self.selected[key] = (target, value, previous if previous is not _MISSING else getattr(target, attribute,
+                                                                                               _MISSING))
+        setattr(target, attribute, value)
+
+        def undo():
+            if previous is _MISSING:
+                own.pop(attribute, None)  # the class attribute (or its absence) shows again
+            else:
+                own[attribute] = previous
+
+        self.undo.append(undo)
+        return True
 
 
 _MISSING = object()
@@ -182,14 +263,39 @@ def apply(model: nn.Module, rules: list[Rule], model_type: str = "", _report: Pa
             result = state.result = RuleResult(rule.id, rule.switch, 0, report.backend_text)
             if rule.id in previous:
                 result.runtime.update(previous[rule.id].runtime)
+            skipped: dict[tuple[str, str], int] = {}
+            selections: dict[tuple[str, object, object], int] = {}
             for name, module in named:
                 if rule.trigger.matches(name, module, model):
-                    state.set_forward(module, rule.patch(module, model, state))
+                    out = rule.patch(module, model, state)
+                    if isinstance(out, Skip):
+                        key = (type(module).__name__, out.reason)
+                        skipped[key] = skipped.get(key, 0) + 1
+                        continue
+                    if rule.kind == "implementation":
+                        if not isinstance(out, Selection):
+                            raise TypeError(f"rule {rule.id}: patch must return a Selection or Skip, got "
+                                            f"{type(out).__name__}")
+                        before = state.previous_value(out.target, out.attribute)
+                        if state.set_attribute(out.target, out.attribute, out.value):
+                            key = (out.label or out.attribute, before, out.value)
+                            selections[key] = selections.get(key, 0) + 1
+                    else:
+                        if not callable(out):
+                            raise TypeError(f"rule {rule.id}: patch must return the new forward or Skip, got "
+                                            f"{type(out).__name__}")
+                        state.set_forward(module, out)
                     result.modules += 1
             state.result = None
+            notes = [f"{label}: {before!r} -> {value!r}" + (f" on {n} objects" if n > 1 else "")
+                     for (label, before, value), n in selections.items()]
+            notes += [f"{n} {cls} module{'s' if n > 1 else ''} not patched: {why}"
+                      for (cls, why), n in sorted(skipped.items())]
             if not result.modules:
                 result._backend = "-"
-                result.note = f"matched nothing (no {rule.trigger.module_class.__name__} module)"
+                if not skipped:
+                    notes.insert(0, f"matched nothing (no {rule.trigger.module_class.__name__} module)")
+            result.note = "; ".join(notes)
             extra = rule.describe(model) if rule.describe else None
             if extra:
                 result.note = f"{result.note}; {extra}" if result.note else extra
@@ -244,3 +350,4 @@ def _undo(state: PatchState) -> None:
         fn()
     state.forwards.clear()
     state.undo.clear()
+    state.selected.clear()

@@ -1,0 +1,290 @@
+"""``fast_moe``: transformers' MoE experts modules run foak's ``moe_experts`` op (foak.ops.moe).
+
+transformers 5.x experts classes (MixtralExperts, Qwen3MoeExperts, GraniteMoeExperts: decorated with
+``transformers.integrations.moe.use_experts_implementation``) choose their computation at call time: the
+forward looks ``config._experts_implementation`` up in ``ALL_EXPERTS_FUNCTIONS`` ("eager" is the class's
+own loop over experts; "grouped_mm", "batched_mm", ...). This rule is of the "implementation" kind
+(foak.patching.rules): it registers an implementation named ``"foak"`` there (while some patched model
+selects it) and selects it on the config every experts module holds; ``foak.restore`` puts the previous
+name back exactly. Parameters, modules and ``state_dict()`` are untouched; the routers (and so the
+auxiliary load-balancing loss) stay transformers' own.
+
+The ``"foak"`` function decides per call. It runs ``moe_experts`` when that computes exactly what the
+experts module would: gated experts with the gate|up rows concatenated in ``gate_up_proj [E, 2I, H]`` and
+``down_proj [E, H, I]``, no biases, no post-expert norm, transformers' default gating
+(``act(gate) * up``), an activation foak has (by the type of ``act_fn``: SiLU; exact GELU; tanh GELU, also
+in its NewGELU/FastGELU forms), plain dense weights and no expert parallelism. Anything else runs the
+implementation the config named before (``eager``, ``grouped_mm``, ...) and is counted in the report row
+with the reason; a module that fails a static condition is not patched at all ("not patched: expert
+biases"), and while its config is shared with patched modules, its calls are counted as that fallback.
+"""
+
+from __future__ import annotations
+
+import threading
+import weakref
+
+import torch
+from torch import nn
+
+from foak.ops.moe import moe_experts
+from foak.patching.rules import Rule, Selection, Skip, Trigger
+
+IMPLEMENTATION = "foak"  # the name foak registers in transformers' ALL_EXPERTS_FUNCTIONS
+
+
+def _hf_moe():
+    """transformers.integrations.moe, or None where the installed transformers has no experts interface."""
+    try:
+        from transformers.integrations import moe
+    except ImportError:
+        return None
+    return moe if hasattr(moe, "ALL_EXPERTS_FUNCTIONS") else None
+
+
+# ---- the activation, exactly ------------------------------------------------------------------------
+
+
+def _activation_table() -> dict[type, str]:
+    from transformers import activations as acts
+
+    table = {nn.SiLU: "silu"}
+    for name, activation in (("SiLUActivation", "silu"),
+                             ("GELUActivation", "gelu"),  # erf GELU, C or Python form
+                             ("GELUTanh", "gelu_tanh"), ("PytorchGELUTanh", "gelu_tanh"),  # tanh GELU, C or Python
+                             # the same tanh formula; FastGELU's constant is sqrt(2/pi) to 10 digits (3e-12
+                             # relative, far below fp32's resolution)
+                             ("NewGELUActivation", "gelu_tanh"), ("FastGELUActivation", "gelu_tanh")):
+        cls = getattr(acts, name, None)
+        if isinstance(cls, type):
+            table[cls] = activation
+    return table
+
+
+_ACTIVATIONS: dict[type, str] | None = None
+
+
+def activation_of(act_fn) -> tuple[str | None, str | None]:
+    """(moe_experts activation, None) for an experts module's ``act_fn``, or (None, why not)."""
+    global _ACTIVATIONS
+    if _ACTIVATIONS is None:
+        _ACTIVATIONS = _activation_table()
+    if type(act_fn) is nn.GELU:
+        name = {"none": "gelu", "tanh": "gelu_tanh"}.get(act_fn.approximate)
+    else:
+        name = _ACTIVATIONS.get(type(act_fn))
+    if name is None:
+        return None, f"activation {type(act_fn).__name__} has no foak kernel (SiLU, GELU, tanh GELU)"
+    if isinstance(act_fn, nn.Module) and ("forward" in vars(act_fn) or act_fn._forward_hooks
+                                          or act_fn._forward_pre_hooks):
+        return None, f"activation {type(act_fn).__name__} with a replaced forward or hooks"
+    return name, None
+
+
+# ---- what the op can compute --------------------------------------------------------------------------
+
+
+def _dispatch_reason(module: nn.Module) -> str | None:
+    """Why selecting an implementation on this module's config would not reach it (None: it would)."""
+    forward = getattr(type(module), "forward", None)
+    if getattr(forward, "__wrapped__", None) is None or not hasattr(module, "has_gate") or not hasattr(module,
+                                                                                                      "config"):
+        return "its forward does not dispatch through transformers' experts interface (use_experts_implementation)"
+    if "forward" in vars(module):
+        return "its forward is replaced on the instance"
+    return None
+
+
+_LAYOUT = (  # (attribute, value foak needs, default where this transformers lacks it, reason otherwise)
+    ("has_gate", True, True, "experts without a gate (up_proj only)"),
+    ("is_concatenated", True, True, "interleaved gate/up rows in gate_up_proj"),
+    ("is_transposed", False, False, "transposed expert weights"),
+    ("has_bias", False, False, "expert biases"),
+    ("has_post_expert_norm", False, False, "a post-expert norm"),
+    ("_is_expert_parallel", False, False, "expert parallelism (expert ids beyond the local experts)"),
+)
+
+
+def support(module: nn.Module) -> tuple[str | None, str | None]:
+    """(activation, None) when ``moe_experts`` computes exactly this experts module's forward, else
+    (None, the reason). Cheap: read at patch time and again at every call."""
+    for attribute, needed, default, why in _LAYOUT:
+        if bool(getattr(module, attribute, default)) != needed:
+            return None, why
+    distributed = getattr(getattr(module, "config", None), "distributed_config", None)
+    if getattr(distributed, "enable_expert_parallel", False):
+        return None, "expert parallelism (distributed_config.enable_expert_parallel)"
+    moe = _hf_moe()
+    default_gate = getattr(moe, "_default_apply_gate", None)
+    gate = getattr(type(module), "_apply_gate", None)
+    if default_gate is not None and gate is not None and gate is not default_gate:
+        return None, f"a custom gating ({type(module).__name__}._apply_gate)"
+    gate_up, down = getattr(module, "gate_up_proj", None), getattr(module, "down_proj", None)
+    for name, w in (("gate_up_proj", gate_up), ("down_proj", down)):
+        if not isinstance(w, torch.Tensor) or not w.is_floating_point() or w.dim() != 3:
+            return None, f"{name} is not a 3-d floating-point tensor ({type(w).__name__})"
+        if type(w) not in (torch.Tensor, nn.Parameter):
+            return None, f"{name} is a {type(w).__name__} (sharded or quantized expert weights)"
+    E, two_i, H = gate_up.shape
+    if two_i % 2 or tuple(down.shape) != (E, H, two_i // 2) or getattr(module, "num_experts", E) != E:
+        return None, (f"expert weights of shapes {tuple(gate_up.shape)} / {tuple(down.shape)} for "
+                      f"{getattr(module, 'num_experts', '?')} experts (foak takes [E, 2I, H] / [E, H, I])")
+    return activation_of(getattr(module, "act_fn", None))
+
+
+# ---- call counts (what really ran), shown in the rule's report row ------------------------------------
+
+
+class _Counts:
+    def __init__(self, row):
+        self.row, self.foak, self.other, self.previous = row, 0, {}, set()
+
+    def count(self, reason: str | None, previous: str) -> None:
+        if torch.compiler.is_compiling():
+            return
+        if reason is None:
+            self.foak += 1
+        else:
+            self.other[reason] = self.other.get(reason, 0) + 1
+            self.previous.add(previous)
+        text = f"foak moe_experts ran {self.foak} call{'s' if self.foak != 1 else ''}"
+        if self.other:
+            total = sum(self.other.values())
+            reasons = ", ".join(f"{why} ({n})" for why, n in sorted(self.other.items()))
+            text += (f"; the previous implementation ({'/'.join(sorted(self.previous))}) ran {total} "
+                     f"call{'s' if total != 1 else ''}: {reasons}")
+        self.row.note_runtime("calls", text)
+
+
+# the counts live as long as the report (which survives a re-patch after a deepcopy)
+_COUNTS: dict[tuple[int, str], _Counts] = {}
+
+
+def _counts_of(state, rule_id: str) -> _Counts:
+    key = (id(state.report), rule_id)
+    counts = _COUNTS.get(key)
+    if counts is None:
+        counts = _COUNTS[key] = _Counts(state.result)
+        weakref.finalize(state.report, _COUNTS.pop, key, None)
+    counts.row = state.result
+    return counts
+
+
+def moe_counts(report, rule_id: str) -> tuple[int, dict[str, int]]:
+    """(calls foak's moe_experts ran, {reason: calls the previous implementation ran}) of a report's MoE row."""
+    counts = _COUNTS.get((id(report), rule_id))
+    return (0, {}) if counts is None else (counts.foak, dict(counts.other))
+
+
+# ---- the implementation transformers dispatches to ----------------------------------------------------
+
+
+class _Entry:
+    __slots__ = ("counts", "previous")
+
+    def __init__(self, counts: _Counts, previous: str):
+        self.counts, self.previous = counts, previous
+
+
+# experts modules of patched models -> their counts and the implementation their config named before
+_ENTRIES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _previous_forward(module: nn.Module, previous: str):
+    eager = type(module).forward.__wrapped__  # the class's own forward, under transformers' dispatcher
+    if previous in ("eager", IMPLEMENTATION) or previous is None:
+        return eager
+    return _hf_moe().ALL_EXPERTS_FUNCTIONS.get_interface(previous, eager)
+
+
+def foak_experts_forward(self: nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
+                         top_k_weights: torch.Tensor) -> torch.Tensor:
+    """transformers' experts-implementation signature: ``self`` is the experts module."""
+    entry = _ENTRIES.get(self)
+    if entry is None:
+        raise RuntimeError(
+            f"{type(self).__name__}: config._experts_implementation is {IMPLEMENTATION!r}, but this module was not "
+            "patched by foak; select foak's experts with foak.patch(model, fast_moe=True) (foak.restore puts the "
+            "previous implementation back), or set another experts implementation")
+    activation, reason = support(self)
+    if reason is not None:
+        out = _previous_forward(self, entry.previous)(self, hidden_states, top_k_index, top_k_weights)
+        entry.counts.count(reason, entry.previous)
+        return out
+    out = moe_experts(hidden_states, top_k_index, top_k_weights, self.gate_up_proj, self.down_proj, activation)
+    entry.counts.count(None, entry.previous)
+    # transformers' implementations return hidden_states' dtype (the op returns the autocast dtype under autocast)
+    return out.to(hidden_states.dtype)
+
+
+_install_lock = threading.Lock()
+_installs = [0]
+
+
+def _install() -> None:
+    with _install_lock:
+        if _installs[0] == 0:
+            _hf_moe().ALL_EXPERTS_FUNCTIONS.register(IMPLEMENTATION, foak_experts_forward)
+        _installs[0] += 1
+
+
+def _uninstall() -> None:
+    with _install_lock:
+        _installs[0] -= 1
+        if _installs[0] == 0:
+            interface = _hf_moe().ALL_EXPERTS_FUNCTIONS
+            mapping = type(interface)._global_mapping
+            if mapping.get(IMPLEMENTATION) is foak_experts_forward:
+                del mapping[IMPLEMENTATION]
+
+
+def is_registered() -> bool:
+    """Whether transformers' experts interface currently knows foak's implementation."""
+    moe = _hf_moe()
+    return moe is not None and moe.ALL_EXPERTS_FUNCTIONS.get(IMPLEMENTATION) is foak_experts_forward
+
+
+def _implementation_attribute(config) -> str:
+    # transformers 5.x: a property over _experts_implementation_internal whose setter also writes every
+    # sub-config; foak sets (and restores) the one config the module reads
+    if isinstance(getattr(type(config), "_experts_implementation", None), property) and \
+            "_experts_implementation_internal" in vars(config):
+        return "_experts_implementation_internal"
+    return "_experts_implementation"
+
+
+class _NoExpertsClass(nn.Module):
+    """Trigger class where the installed transformers has no fused experts class (the rule is skipped)."""
+
+
+def moe_experts_rule(arch: str, modeling, experts_class_name: str) -> Rule:
+    """The ``fast_moe`` rule of an architecture whose modeling module defines ``experts_class_name``."""
+    experts_class = getattr(modeling, experts_class_name, None)
+    rule_id = f"{arch}.moe"
+
+    def skip_reason(model):
+        if experts_class is None:
+            return f"{modeling.__name__} has no {experts_class_name} (fused experts) class"
+        if _hf_moe() is None:
+            return "this transformers has no experts interface (transformers.integrations.moe)"
+        return None
+
+    def patch(module, model, state):
+        reason = _dispatch_reason(module)
+        if reason is not None:
+            return Skip(reason)
+        config = module.config
+        attribute = _implementation_attribute(config)
+        previous = state.previous_value(config, attribute)
+        _ENTRIES[module] = _Entry(_counts_of(state, rule_id), previous)
+        state.on_restore(lambda: _ENTRIES.pop(module, None))
+        _, reason = support(module)
+        if reason is not None:  # left as it is; counted as the previous implementation's if its config says foak
+            return Skip(reason)
+        _install()
+        # released by restore(), or when the module is garbage-collected without one
+        state.on_restore(weakref.finalize(module, _uninstall))
+        return Selection(config, attribute, IMPLEMENTATION, label="config._experts_implementation")
+
+    return Rule(rule_id, "moe", Trigger(experts_class or _NoExpertsClass), patch, skip_reason,
+                kind="implementation")
