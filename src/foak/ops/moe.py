@@ -169,7 +169,7 @@ def _gmm_weight(a, b, offs, counts, n_experts):
 # 4. autograd --------------------------------------------------------------------------------------
 class _MoEExperts(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, hidden, top_k_index, top_k_weights, gate_up_proj, down_proj, activation):
+    def forward(ctx, hidden, top_k_index, top_k_weights, gate_up_proj, down_proj, activation, out_dtype):
         T, K = top_k_index.shape
         E = gate_up_proj.shape[0]
         inter = down_proj.shape[-1]
@@ -197,7 +197,7 @@ class _MoEExperts(torch.autograd.Function):
         y = _gmm(a, down_proj.transpose(1, 2), offs, counts)  # [S, H]
         del a, xs
         pos = pos.view(T, K)
-        out = _combine(y, pos, top_k_weights, hidden.dtype)
+        out = _combine(y, pos, top_k_weights, out_dtype)
         ctx.save_for_backward(hidden, top_k_weights, gate_up_proj, down_proj, h, y, pos, src, offs, per_expert)
         ctx.activation = activation
         ctx.host_counts = host_counts
@@ -248,7 +248,7 @@ class _MoEExperts(torch.autograd.Function):
         if ctx.needs_input_grad[0]:
             dxs = _gmm(dh, gate_up_proj, offs, counts)  # [S, H]
             d_hidden = _combine(dxs, pos, None, hidden.dtype)
-        return d_hidden, None, dw if ctx.needs_input_grad[2] else None, d_gate_up, d_down, None
+        return d_hidden, None, dw if ctx.needs_input_grad[2] else None, d_gate_up, d_down, None, None
 
 
 # 5. public function -------------------------------------------------------------------------------
@@ -287,11 +287,13 @@ def moe_experts(hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: 
     """The experts block of an MoE layer (see the module docstring): ``hidden`` ``[T, H]``, ``top_k_index``
     ``[T, k]`` (expert ids in ``0..E-1``), ``top_k_weights`` ``[T, k]``, ``gate_up_proj`` ``[E, 2I, H]``,
     ``down_proj`` ``[E, H, I]``; ``activation`` of the gate: "silu" (SwiGLU), "gelu" or "gelu_tanh" (GeGLU).
-    Returns ``[T, H]`` in ``hidden``'s dtype (the autocast dtype under autocast). Differentiable in
+    Returns ``[T, H]`` in ``hidden``'s dtype; under autocast the GEMMs run in the autocast dtype and the
+    fp32 combine is rounded once, to ``hidden``'s dtype (as transformers' experts accumulate into it). Differentiable in
     ``hidden``, ``top_k_weights`` and both weights. An expert id outside ``0..E-1`` is an index error (a
     device-side assert on CUDA), never a silent result."""
     _check(hidden, top_k_index, top_k_weights, gate_up_proj, down_proj, activation)
     device_type = hidden.device.type
+    out_dtype = hidden.dtype
     if torch.is_autocast_enabled(device_type):
         dtype = torch.get_autocast_dtype(device_type)
         hidden, gate_up_proj, down_proj = hidden.to(dtype), gate_up_proj.to(dtype), down_proj.to(dtype)
@@ -301,4 +303,4 @@ def moe_experts(hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: 
                          f"{hidden.dtype}, {gate_up_proj.dtype}, {down_proj.dtype}")
     with torch.autocast(device_type, enabled=False):
         return _MoEExperts.apply(hidden.contiguous(), top_k_index, top_k_weights.contiguous(),
-                                 gate_up_proj, down_proj, activation)
+                                 gate_up_proj, down_proj, activation, out_dtype)
