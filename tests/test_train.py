@@ -61,7 +61,7 @@ def test_bad_datasets_are_reported_with_line_numbers(tmp_path, lines, message):
 def test_missing_files_and_bad_arguments_fail_before_training(tmp_path):
     with pytest.raises(DatasetError, match="dataset file not found"):
         train(["--dataset", str(tmp_path / "nope.jsonl"), "--output_dir", str(tmp_path)])
-    with pytest.raises(ValueError, match="no such local path"):
+    with pytest.raises(ValueError, match="no such directory"):
         train(["--model", str(tmp_path / "no-model"), "--output_dir", str(tmp_path)])
     with pytest.raises(ValueError, match="--peft must be none, lora or qlora-nf4"):
         train(["--peft", "qlora", "--output_dir", str(tmp_path)])

@@ -1,12 +1,45 @@
-"""The ``foak`` command line: ``foak info`` and ``foak verify`` (training and benchmarks come later)."""
+"""The ``foak`` command line: ``foak info``, ``foak verify``, ``foak train`` (foak.train) and ``foak --version``.
+
+A user error (a bad path, dataset, config or argument, an unsupported model) is one line on stderr, prefixed
+``foak <command>: error:``, and exit code 2; ``--debug`` anywhere on the command line (or ``FOAK_DEBUG=1``)
+prints the traceback too. bitsandbytes' warning that its optional CPU 4-bit GEMM kernel (from the ``kernels``
+package) could not be loaded is silenced; nothing else is."""
 
 from __future__ import annotations
 
 import argparse
+import logging
+import os
 import platform
 import sys
+import traceback
 
 import torch
+
+# what a user can get wrong: printed as one line (the traceback with --debug)
+USER_ERRORS = (ValueError, OSError, ImportError)
+# TrainingArguments' own --debug takes one of these; a bare --debug is foak's
+HF_DEBUG_VALUES = ("underflow_overflow", "tpu_metrics_debug")
+BNB_CPU_WARNING = "Failed to load CPU gemm_4bit_forward from kernels-community"
+
+
+class _BnbCpuWarningFilter(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not str(record.msg).startswith(BNB_CPU_WARNING)
+
+
+def silence_bitsandbytes_cpu_warning() -> None:
+    """Drop bitsandbytes' start-up warning on CPUs with AVX512-BF16 that its optional CPU kernel from the
+    ``kernels`` package is not installed (transformers' Trainer imports bitsandbytes, so every run printed it).
+    Only that message, only from the logger that emits it."""
+    logger = logging.getLogger("bitsandbytes.backends.cpu.ops")
+    if not any(isinstance(f, _BnbCpuWarningFilter) for f in logger.filters):
+        logger.addFilter(_BnbCpuWarningFilter())
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message):  # one line via main's handler, not the usage text
+        raise ValueError(message)
 
 
 def _cmd_info(args) -> int:
@@ -46,13 +79,23 @@ def _format_table(rows: list[dict]) -> str:
 
 
 def _cmd_verify(args) -> int:
-    from foak.backend import describe
+    from foak.backend import describe, get_backend
 
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"--device {args.device}: no CUDA GPU is available here")
     backend = describe(device)
     if backend == "reference":
-        print("note: no GPU and no TRITON_INTERPRET=1, so the reference ops are compared with themselves; "
-              "set TRITON_INTERPRET=1 to check the Triton kernels on CPU")
+        if get_backend() == "auto":
+            raise ValueError(
+                "no CUDA GPU and TRITON_INTERPRET is not 1, so foak's Triton kernels cannot run here and foak "
+                "verify would only compare foak's torch references (with themselves for --ops): run "
+                "TRITON_INTERPRET=1 foak verify (the kernels in Triton's CPU interpreter: exact, slow), or on a GPU")
+        if args.ops:
+            raise ValueError("the backend is forced to 'reference' (FOAK_BACKEND or foak.set_backend), so --ops "
+                             "would compare the reference ops with themselves; unset it")
+        print("note: the backend is forced to 'reference': foak's rules with its torch reference ops are "
+              "compared with the unpatched model, not the Triton kernels")
     if args.ops:
         return _verify_ops(device, backend)
     return _verify_model(args, device, backend)
@@ -64,35 +107,54 @@ def _verify_ops(device, backend) -> int:
     print(f"foak verify --ops on {device} (backend: {backend}); every op forward and backward vs its "
           "torch reference (relative error vs fp32)")
     rows = run_self_check(device)
+    if not rows:
+        raise ValueError("the self-check compared nothing")
     print(_format_table(rows))
     failed = sum(not r["passed"] for r in rows)
     print(f"self-check: {len(rows) - failed} of {len(rows)} cases within tolerance")
     return 1 if failed else 0
 
 
+def _load_verify_model(args, device, dtype):
+    """(model, description) of --model: a local directory or a hub id (foak.model_source), a GPTQ 4-bit
+    checkpoint through foak.quant.load_gptq."""
+    from foak.model_source import resolve_model
+    from foak.models import ARCHITECTURES
+
+    source = resolve_model(args.model, need_tokenizer=False)  # before transformers is imported: fails fast
+    if source.model_type not in ARCHITECTURES:
+        raise ValueError(f"--model {args.model}: foak has no rules for model_type {source.model_type!r} "
+                         f"(supported: {', '.join(sorted(ARCHITECTURES))}), so there is nothing to verify")
+    qc = source.config.get("quantization_config")
+    if isinstance(qc, dict) and str(qc.get("quant_method", "")).lower() == "gptq":
+        # foak's loader (transformers' GPTQ path would need gptqmodel)
+        from foak.quant import load_gptq
+
+        model = load_gptq(source.local_dir(), dtype=dtype, device=device)
+        return model, (f"{source} (GPTQ 4-bit checkpoint, group_size {qc.get('group_size', 128)}, loaded by "
+                       "foak.quant.load_gptq)")
+    import transformers
+
+    hub = {"local_files_only": True} if source.local_files_only else {}
+    try:
+        model = transformers.AutoModelForCausalLM.from_pretrained(source.ref, dtype=dtype, **hub)
+    except (OSError, ValueError, ImportError, KeyError) as e:
+        first = next((line.strip() for line in str(e).splitlines() if line.strip()), type(e).__name__)
+        raise ValueError(f"--model {args.model}: transformers could not load it: {first}") from e
+    return model.to(device), str(source)
+
+
 def _verify_model(args, device, backend) -> int:
-    from foak.models.tiny import tiny_model
+    dtype = getattr(torch, args.dtype)
+    if args.model:
+        model, source = _load_verify_model(args, device, dtype)
+    else:
+        from foak.models.tiny import tiny_model
+
+        model = tiny_model(args.arch).to(device=device, dtype=dtype)
+        source = f"tiny {args.arch} (2 layers, hidden 64, random weights)"
     from foak.verify import compared_note, format_rows, verify_model
 
-    if args.model:
-        import transformers
-
-        from foak.verify import gptq_quantization
-
-        dtype = getattr(torch, args.dtype)
-        qc = gptq_quantization(args.model)
-        if qc is not None:  # foak's loader (transformers' GPTQ path would need gptqmodel)
-            from foak.quant import load_gptq
-
-            model = load_gptq(args.model, dtype=dtype, device=device)
-            source = (f"{args.model} (GPTQ 4-bit checkpoint, group_size {qc.get('group_size', 128)}, loaded by "
-                      "foak.quant.load_gptq)")
-        else:
-            model = transformers.AutoModelForCausalLM.from_pretrained(args.model, dtype=dtype).to(device)
-            source = args.model
-    else:
-        model = tiny_model(args.arch).to(device=device, dtype=getattr(torch, args.dtype))
-        source = f"tiny {args.arch} (2 layers, hidden 64, random weights)"
     print(f"foak verify: {source} on {device} ({args.dtype}, backend: {backend}); unpatched vs patched, "
           "loss and every parameter gradient after one forward+backward")
     note = compared_note(model)
@@ -111,32 +173,82 @@ def _verify_model(args, device, backend) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="foak", description="Fused Operations And Kernels for LLM fine-tuning")
+    import foak
+
+    parser = _Parser(prog="foak", description="Fused Operations And Kernels for LLM fine-tuning")
+    parser.add_argument("--version", action="version", version=f"foak {foak.__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
     info = sub.add_parser("info", help="versions, GPU and which backend the ops use")
     info.set_defaults(func=_cmd_info)
-    verify = sub.add_parser("verify", help="check numerics against the torch references")
+    verify = sub.add_parser(
+        "verify", help="check numerics against the torch references",
+        description="Patched vs unpatched model (or, with --ops, every op vs its torch reference), forward and "
+                    "backward. Needs a CUDA GPU or TRITON_INTERPRET=1 (the kernels in Triton's CPU interpreter); "
+                    "without either it is an error, since only the references would be compared. Exit code 0: "
+                    "every check passed, 1: a check failed, 2: a usage error (nothing was compared).")
     verify.add_argument("--ops", action="store_true", help="run every kernel against its reference")
-    verify.add_argument("--model", help="local path of an HF causal LM or a GPTQ 4-bit checkpoint "
-                                            "(default: a tiny random model)")
+    verify.add_argument("--model", help="local directory or hub id of an HF causal LM, or a GPTQ 4-bit "
+                                        "checkpoint directory (default: a tiny random model)")
     verify.add_argument("--arch", default="llama", help="architecture of the tiny default model")
     verify.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
-    verify.add_argument("--rules", nargs="*", help="rule switches to check (default: all of the model's)")
+    verify.add_argument("--rules", nargs="+", help="rule switches to check (default: all of the model's)")
     verify.add_argument("--device", default=None, help="cuda or cpu (default: cuda if available)")
     verify.set_defaults(func=_cmd_verify)
-    sub.add_parser("train", help="fine-tune a causal LM (foak train --help lists the arguments)")
+    sub.add_parser("train", help="fine-tune a causal LM (foak train --help lists the arguments)", add_help=False)
     return parser
+
+
+def _pop_debug(argv: list[str]) -> tuple[bool, list[str]]:
+    """foak's bare --debug, removed from argv (TrainingArguments' ``--debug underflow_overflow`` stays)."""
+    debug, rest = False, []
+    for i, arg in enumerate(argv):
+        if arg == "--debug" and (i + 1 == len(argv) or argv[i + 1] not in HF_DEBUG_VALUES):
+            debug = True
+        else:
+            rest.append(arg)
+    return debug, rest
+
+
+def _one_line(error: BaseException) -> str:
+    lines = [line.strip() for line in str(error).splitlines() if line.strip()]
+    if not lines:
+        return type(error).__name__
+    text = lines[0]
+    for line in lines[1:]:
+        text += (" " if text.endswith(":") else "; ") + line
+    return text
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
-    if argv[:1] == ["train"]:  # HF TrainingArguments names: parsed by transformers' HfArgumentParser
-        from foak.train import train
+    debug, argv = _pop_debug(argv)
+    debug = debug or os.environ.get("FOAK_DEBUG", "0") not in ("", "0")
+    silence_bitsandbytes_cpu_warning()
+    command = argv[0] if argv and argv[0] in ("info", "verify", "train") else None
+    try:
+        if command == "train":  # HF TrainingArguments names: parsed by transformers' HfArgumentParser
+            from foak.train import help_text, train
 
-        train(argv[1:])
-        return 0
-    args = build_parser().parse_args(argv)
-    return args.func(args)
+            rest = argv[1:]
+            if any(a in ("--help_all", "--help-all") for a in rest):
+                print(help_text(full=True), end="")
+                return 0
+            if any(a in ("-h", "--help") for a in rest):
+                print(help_text(), end="")
+                return 0
+            train(rest)
+            return 0
+        try:
+            args = build_parser().parse_args(argv)
+        except SystemExit as e:  # --help, --version
+            return e.code if isinstance(e.code, int) else 0
+        return args.func(args)
+    except USER_ERRORS as e:
+        if debug:
+            traceback.print_exc()
+        prefix = f"foak {command}" if command else "foak"
+        print(f"{prefix}: error: {_one_line(e)}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

@@ -1,30 +1,43 @@
-"""``foak train``: fine-tune a causal LM with HF Trainer, foak's kernels patched in by the acceleration
-config. Arguments are HF ``TrainingArguments`` names plus :class:`FoakArguments`. With no model and no
-dataset it trains the embedded default: a tiny Llama built from a config, a character tokenizer and a
+"""``foak train``: fine-tune a causal LM with HF Trainer, foak's kernels patched in. Arguments are HF
+``TrainingArguments`` names (underscores or dashes) plus :class:`FoakArguments`; ``foak train --help`` shows
+foak's options and the common TrainingArguments with foak's defaults, ``--help_all`` every one. With no model
+and no dataset it trains the embedded default: a tiny Llama built from a config, a character tokenizer and a
 generated corpus, all made locally.
 
-Without ``--acceleration_config`` the kernels are chosen as follows (``--acceleration_config none``: no foak):
+Kernels: without ``--acceleration_config`` every switch foak has for the model's architecture
+(:func:`foak.patching.default_config`: RMSNorm, RoPE, SwiGLU and the fused linear+loss where the architecture
+has them, plus ``fused_lora`` with ``--peft lora`` / ``qlora-nf4``); the patch report says which.
+``--acceleration_config none`` trains without foak (the baseline); a YAML chooses the switches itself, and its
+stanza must match ``--peft`` (``training`` for ``--peft none``, ``peft`` otherwise). An architecture foak has
+no rules for is an error before any data is read, unless ``--acceleration_config none``.
 
-- ``--peft lora`` / ``--peft qlora-nf4``, any model (the embedded one or ``--model``): the
-  ``peft.quantization.fused_ops_and_kernels`` stanza with ``fused_lora`` (foak's fused LoRA layers) and
-  ``fast_rms_layernorm``, ``fast_rope_embeddings``, ``fast_swiglu``, ``fused_linear_loss`` (:data:`PEFT_KERNELS`);
-- full fine-tuning (``--peft none``) of the embedded model: ``training.fused_ops_and_kernels`` with those four
-  kernels (:data:`EMBEDDED_KERNELS`); of a ``--model`` or ``--dataset`` of yours: no kernels (the baseline).
+Precision follows HF: ``--bf16`` / ``--fp16`` are autocast (fp16 with a GradScaler) over the weights, which are
+loaded in fp32 (master weights) unless ``--torch_dtype`` says otherwise (``--torch_dtype bfloat16``: pure bf16
+weights). A quantized base (``--peft qlora-nf4``, a GPTQ checkpoint) loads in the autocast dtype, which is
+bitsandbytes' compute dtype. ``--seed`` seeds python, numpy and torch before the model and any adapter are
+built, so identical runs give identical losses.
 
-A ``--model`` directory whose config.json has ``quantization_config.quant_method: gptq`` (e.g. one written by
+A ``--model`` is a local directory or a hub id (:mod:`foak.model_source`, checked before anything is loaded).
+One whose config.json has ``quantization_config.quant_method: gptq`` (e.g. written by
 :func:`foak.quant.save_gptq`) is loaded by :func:`foak.quant.load_gptq` (its 4-bit linears become foak's
-``GPTQLinear``, computing in the --bf16/--fp16/fp32 dtype; transformers' own GPTQ path, which needs gptqmodel, is
-not used) and trained with ``--peft lora`` only: PEFT wraps the GPTQ layers with foak's ``GPTQLoraLinear``
-(:func:`foak.quant.gptq_peft.register_gptq_lora`) and the default config's fused_lora takes them.
+``GPTQLinear``; transformers' own GPTQ path, which needs gptqmodel, is not used) and trained with ``--peft lora``
+only: PEFT wraps the GPTQ layers with foak's ``GPTQLoraLinear`` (:func:`foak.quant.gptq_peft.register_gptq_lora`)
+and the default config's fused_lora takes them.
 
-The patch report is printed before training and again after it, when the ``fused_lora`` row holds the call
-counts (fused calls, calls that took PEFT's own forward and why); the summary carries them too."""
+Output goes through Python logging (logger ``foak``, to stdout; ``--log_level``). The patch report is logged
+before training and again after it, when the ``fused_lora`` row holds the call counts (fused calls, calls
+that took PEFT's own forward and why). The summary counts exactly the micro-batches trained (tokens/s), and
+its first loss is step 1's own loss (not a logging-interval mean)."""
 
 from __future__ import annotations
 
+import argparse
+import difflib
+import logging
 import math
 import resource
 import sys
+import textwrap
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -40,95 +53,259 @@ from foak.data import (
     tokenize,
 )
 
+log = logging.getLogger("foak.train")
+
 DEFAULT_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
-# TrainingArguments defaults foak sets unless the command line gives them
+# TrainingArguments defaults foak sets (argparse defaults: whatever the command line gives wins, in either
+# spelling); dataloader_pin_memory (a CUDA GPU is there) and use_cpu (none is) are added
 TRAINER_DEFAULTS = {"output_dir": "foak-output", "report_to": "none", "save_strategy": "no",
-                    "logging_steps": "5", "per_device_train_batch_size": "8"}
-# the kernels the default configs switch on (every kernel foak has for the tiny Llama)
-KERNELS = {"fast_rms_layernorm": True, "fast_rope_embeddings": True, "fast_swiglu": True, "fused_linear_loss": True}
-# full fine-tuning of the embedded default
-EMBEDDED_KERNELS = {"training": {"fused_ops_and_kernels": dict(KERNELS)}}
-# a LoRA / QLoRA run (--peft) of any model: foak's fused LoRA layers plus the same kernels
-PEFT_KERNELS = {"peft": {"quantization": {"fused_ops_and_kernels": {"fused_lora": True, **KERNELS}}}}
-EMBEDDED_DEFAULTS = {"max_steps": "60", "learning_rate": "3e-3", "warmup_steps": "5",
-                     "per_device_train_batch_size": "16"}
+                    "logging_steps": 5, "per_device_train_batch_size": 8}
+# ... and for the embedded default (no --model and no --dataset)
+EMBEDDED_DEFAULTS = {"max_steps": 60, "learning_rate": 3e-3, "warmup_steps": 5,
+                     "per_device_train_batch_size": 16}
+PEFT_CHOICES = ("none", "lora", "qlora-nf4")
+DTYPE_CHOICES = ("float32", "bfloat16", "float16")
+EXAMPLES = """\
+examples:
+  foak train                                   # the embedded default: tiny Llama, generated corpus, 60 steps
+  foak train --model ./my-llama --dataset data.jsonl --bf16 --max_steps 1000 --output_dir out
+  foak train --model meta-llama/Llama-3.2-1B --dataset pairs.jsonl --peft lora --lora_r 16
+  foak train --model ./my-llama --dataset data.jsonl --acceleration_config none     # the baseline, no foak"""
+DESCRIPTION = ("Fine-tune a causal LM with HF Trainer, foak's kernels patched in (by default every kernel foak "
+               "has for the model's architecture; the patch report says which). No --model and no --dataset: "
+               "the embedded default, a tiny Llama, a character tokenizer and a generated corpus made locally.")
 
 
 @dataclass
 class FoakArguments:
     model: str | None = field(default=None, metadata={
-        "help": "local path of an HF causal LM, or of a GPTQ 4-bit checkpoint (with --peft lora) (default: tiny)"})
-    dataset: str | None = field(default=None, metadata={"help": "JSONL file: {'text': ...} or {'prompt', 'response'}"})
+        "help": "local directory or hub id (org/name) of an HF causal LM, or a GPTQ 4-bit checkpoint directory "
+                "(with --peft lora); default: the embedded tiny Llama"})
+    dataset: str | None = field(default=None, metadata={
+        "help": "JSONL file, one {'text': ...} or {'prompt': ..., 'response': ...} per line (a pair trains on "
+                "the response only); default: a generated corpus"})
     text_field: str = field(default="text", metadata={"help": "the JSONL field holding plain text"})
     max_seq_length: int = field(default=128, metadata={"help": "longer sequences are truncated (and counted)"})
-    packing: bool = field(default=False, metadata={"help": "padding-free packing with restarting position_ids"})
+    packing: bool = field(default=False, metadata={
+        "help": "padding-free packing: each batch one row, position_ids restarting per sequence"})
     peft: str = field(default="none", metadata={
-        "help": "none | lora | qlora-nf4. Without --acceleration_config a LoRA/QLoRA run of any model (yours "
-                "too) uses foak's fused LoRA layers (fused_lora) plus the RMSNorm, RoPE, SwiGLU and fused "
-                "linear+loss kernels"})
-    lora_r: int = 16
-    lora_alpha: int = 16
-    lora_dropout: float = 0.0
-    target_modules: list[str] = field(default_factory=lambda: list(DEFAULT_TARGETS))
-    acceleration_config: str | None = field(
-        default=None,
-        metadata={"help": "foak YAML (see README); 'none' trains without foak. Default: with --peft lora or "
-                          "qlora-nf4, fused_lora and every kernel (the peft stanza) for any model; full "
-                          "fine-tuning: every kernel for the embedded tiny model, none for a model of yours"},
-    )
+        "help": "none (full fine-tuning) | lora | qlora-nf4 (LoRA on a bitsandbytes NF4 base): decides full "
+                "fine-tuning vs PEFT; with lora/qlora-nf4 the default kernels include fused_lora"})
+    lora_r: int = field(default=16, metadata={"help": "LoRA rank"})
+    lora_alpha: int = field(default=16, metadata={"help": "LoRA alpha (the scaling is alpha / r)"})
+    lora_dropout: float = field(default=0.0, metadata={"help": "LoRA dropout probability"})
+    target_modules: list[str] = field(default_factory=lambda: list(DEFAULT_TARGETS), metadata={
+        "help": "names of the linear layers that get LoRA adapters"})
+    acceleration_config: str | None = field(default=None, metadata={
+        "help": "foak YAML (README: Patching a model); its stanza must match --peft. none: no foak kernels "
+                "(the baseline). Default: every kernel foak has for the model's architecture"})
+    torch_dtype: str | None = field(default=None, metadata={
+        "help": "float32 | bfloat16 | float16: the dtype the weights are loaded in. Default float32, so --bf16 "
+                "/ --fp16 autocast over fp32 master weights (HF's meaning); with a quantized base (qlora-nf4, "
+                "GPTQ) the --bf16/--fp16 dtype. bfloat16 without --bf16: pure bf16 training"})
 
 
-class TokenCounter:
-    """Wraps a collator and counts the tokens it hands to the model (for tokens/s)."""
+def _usage_error(message: str):
+    raise ValueError(message)
 
-    def __init__(self, collator):
-        self.collator, self.tokens = collator, 0
 
-    def __call__(self, features):
-        batch = self.collator(features)
-        mask = batch.get("attention_mask")
-        self.tokens += int(mask.sum()) if mask is not None else batch["input_ids"].numel()
-        return batch
+def _is_embedded(argv: list[str]) -> bool:
+    """No --model and no --dataset on the command line (either spelling, --x=value too)."""
+    pre = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
+    pre.error = _usage_error
+    pre.add_argument("--model")
+    pre.add_argument("--dataset")
+    known, _ = pre.parse_known_args(argv)
+    return known.model is None and known.dataset is None
+
+
+def build_parser(embedded: bool):
+    """HfArgumentParser over FoakArguments and TrainingArguments with foak's defaults (argparse defaults, so a
+    value the command line gives always wins). Argument errors raise ValueError (one line, no usage dump)."""
+    from transformers import HfArgumentParser, TrainingArguments
+
+    parser = HfArgumentParser((FoakArguments, TrainingArguments), prog="foak train", allow_abbrev=False,
+                              description=DESCRIPTION, epilog=EXAMPLES)
+    parser.error = _usage_error
+    cuda = torch.cuda.is_available()  # without a GPU: no pinned memory, and bf16 autocast on the CPU
+    defaults = {**TRAINER_DEFAULTS, "dataloader_pin_memory": cuda, "use_cpu": not cuda}
+    if embedded:
+        defaults.update(EMBEDDED_DEFAULTS)
+    parser.set_defaults(**defaults)
+    return parser
+
+
+def _unknown_arguments_error(parser, remaining: list[str]) -> ValueError:
+    options = [o for a in parser._actions for o in a.option_strings if o.startswith("--")]
+    first = next((r for r in remaining if r.startswith("-")), remaining[0])
+    close = difflib.get_close_matches(first.split("=")[0], options, n=3, cutoff=0.6)
+    hint = f"; did you mean {' or '.join(close)}?" if close else ""
+    return ValueError(f"unrecognized argument(s): {' '.join(remaining)}{hint} (foak train --help lists the "
+                      "options)")
 
 
 def parse_arguments(argv: list[str]):
-    from transformers import HfArgumentParser, TrainingArguments
-
-    given = {a.split("=")[0].lstrip("-") for a in argv if a.startswith("--")}
-    defaults = dict(TRAINER_DEFAULTS)
-    if "model" not in given and "dataset" not in given:
-        defaults.update(EMBEDDED_DEFAULTS)
-    argv = list(argv) + [x for k, v in defaults.items() if k not in given for x in (f"--{k}", v)]
-    parser = HfArgumentParser((FoakArguments, TrainingArguments))
-    foak_args, training_args = parser.parse_args_into_dataclasses(argv)
-    if foak_args.peft not in ("none", "lora", "qlora-nf4"):
+    """(FoakArguments, TrainingArguments) of a ``foak train`` command line; ValueError for a bad one."""
+    argv = list(argv)
+    parser = build_parser(_is_embedded(argv))
+    foak_args, training_args, remaining = parser.parse_args_into_dataclasses(
+        argv, return_remaining_strings=True, look_for_args_file=False)
+    if remaining:
+        raise _unknown_arguments_error(parser, remaining)
+    if foak_args.peft not in PEFT_CHOICES:
         raise ValueError(f"--peft must be none, lora or qlora-nf4, got {foak_args.peft!r}")
+    if foak_args.torch_dtype is not None and foak_args.torch_dtype not in DTYPE_CHOICES:
+        raise ValueError(f"--torch_dtype must be one of {', '.join(DTYPE_CHOICES)}, got {foak_args.torch_dtype!r}")
+    if foak_args.acceleration_config is not None and foak_args.acceleration_config.lower() == "none":
+        foak_args.acceleration_config = "none"
     return foak_args, training_args
 
 
+# ---- --help ---------------------------------------------------------------------------------------------
+# the TrainingArguments `foak train --help` shows, with foak's words; --help_all prints HF's help of all of them
+COMMON_TRAINING_ARGUMENTS = {
+    "output_dir": "where the model (or the adapter), the tokenizer and loss_curve.png go",
+    "max_steps": "optimizer steps to train (-1: num_train_epochs decides)",
+    "num_train_epochs": "epochs over the dataset when max_steps is -1",
+    "per_device_train_batch_size": "sequences per micro-batch",
+    "gradient_accumulation_steps": "micro-batches per optimizer step",
+    "learning_rate": "peak learning rate",
+    "lr_scheduler_type": "linear, cosine, constant, ...",
+    "warmup_steps": "steps of linear warm-up",
+    "weight_decay": "AdamW weight decay",
+    "max_grad_norm": "gradient clipping norm",
+    "optim": "optimizer: adamw_torch_fused, adamw_torch, sgd, ...",
+    "bf16": "bf16 autocast over the weights (fp32 unless --torch_dtype)",
+    "fp16": "fp16 autocast with a GradScaler over the weights (fp32 unless --torch_dtype)",
+    "gradient_checkpointing": "recompute the layers' activations in the backward (less memory)",
+    "seed": "seeds python, numpy and torch before the model and adapters are built",
+    "logging_steps": "log the mean loss every N steps",
+    "log_level": "debug, info, warning, error: foak's logging and transformers' (passive: foak info)",
+    "save_strategy": "no, steps or epoch: checkpoints during training (the final model is always saved)",
+    "save_steps": "checkpoint every N steps with --save_strategy steps",
+    "resume_from_checkpoint": "a checkpoint directory of an earlier run to continue",
+    "report_to": "none, tensorboard, wandb, ...",
+    "dataloader_num_workers": "data loading processes",
+}
+
+
+def _option_line(action, help_text: str, default_text: str) -> list[str]:
+    name = action.option_strings[0]
+    takes_value = action.nargs != 0 and not (action.nargs == "?" and action.const is True)
+    metavar = "" if not takes_value else " " + ("X [X ...]" if action.nargs in ("+", "*") else "X")
+    left = f"  {name}{metavar}"
+    text = help_text + (" [" + default_text.replace(" ", "\0") + "]" if default_text else "")  # kept on one line
+    width = 30
+    body = [line.replace("\0", " ") for line in textwrap.wrap(text, 110 - width - 1)] or [""]
+    first = left.ljust(width) + " " + body[0] if len(left) < width else left + "\n" + " " * (width + 1) + body[0]
+    return [first] + [" " * (width + 1) + line for line in body[1:]]
+
+
+def _default_text(dest: str, default) -> str:
+    if dest in EMBEDDED_DEFAULTS:
+        base = "-1" if dest == "max_steps" else default
+        return f"default {base}; the embedded default run: {EMBEDDED_DEFAULTS[dest]}"
+    if dest in ("dataloader_pin_memory", "use_cpu") or default is None or default == [] or default is False:
+        return ""
+    if isinstance(default, list):
+        default = " ".join(map(str, default))
+    return f"default {default}"
+
+
+def help_text(full: bool = False) -> str:
+    """``foak train --help`` (short: foak's options and the common TrainingArguments, with foak's defaults)
+    or, with ``full``, argparse's help of every argument (HF's long tail) with foak's defaults."""
+    parser = build_parser(embedded=False)
+    if full:
+        return parser.format_help()
+    foak_dests = set(FoakArguments.__dataclass_fields__)
+    by_dest = {a.dest: a for a in parser._actions}
+    lines = ["usage: foak train [--model DIR|ORG/NAME] [--dataset FILE.jsonl] [--peft none|lora|qlora-nf4] "
+             "[option ...]", "", *textwrap.wrap(DESCRIPTION, 110), "", EXAMPLES, "", "foak options:"]
+    for dest in FoakArguments.__dataclass_fields__:
+        action = by_dest[dest]
+        lines += _option_line(action, action.help or "", _default_text(dest, action.default))
+    lines += ["", "common TrainingArguments (all of HF's work; foak train --help_all lists every one):"]
+    for dest, text in COMMON_TRAINING_ARGUMENTS.items():
+        action = by_dest[dest]
+        assert dest not in foak_dests
+        lines += _option_line(action, text, _default_text(dest, action.default))
+    lines += ["", *textwrap.wrap(
+        "Every option takes underscores or dashes (--max_steps = --max-steps). Errors are one line on stderr "
+        "and exit code 2; --debug (or FOAK_DEBUG=1) adds the traceback.", 110)]
+    return "\n".join(lines) + "\n"
+
+
+# ---- logging --------------------------------------------------------------------------------------------
+class _StdoutHandler(logging.Handler):
+    """Writes to the sys.stdout of the moment (so a redirected or captured stdout receives it)."""
+
+    def emit(self, record):
+        try:
+            prefix = "" if record.levelno < logging.WARNING else f"{record.levelname.lower()}: "
+            sys.stdout.write(prefix + record.getMessage() + "\n")
+            sys.stdout.flush()
+        except Exception:  # noqa: BLE001 (logging must never raise)
+            self.handleError(record)
+
+
+LOG_LEVELS = {"passive": logging.INFO, "detail": logging.DEBUG, "debug": logging.DEBUG, "info": logging.INFO,
+              "warning": logging.WARNING, "error": logging.ERROR, "critical": logging.CRITICAL}
+
+
+def setup_logging(log_level: str = "passive") -> None:
+    """foak's loggers (``foak.*``) to stdout at ``log_level`` (TrainingArguments' names; passive = info)."""
+    logger = logging.getLogger("foak")
+    for handler in [h for h in logger.handlers if isinstance(h, _StdoutHandler)]:
+        logger.removeHandler(handler)
+    logger.addHandler(_StdoutHandler())
+    logger.setLevel(LOG_LEVELS.get(log_level, logging.INFO))
+    logger.propagate = False
+
+
+# ---- precision ------------------------------------------------------------------------------------------
 def _mixed_precision(training_args) -> str:
     return "bf16" if training_args.bf16 else "fp16" if training_args.fp16 else "no"
 
 
-def _dtype(training_args) -> torch.dtype:
-    return torch.bfloat16 if training_args.bf16 else torch.float16 if training_args.fp16 else torch.float32
+def _autocast_dtype(training_args) -> torch.dtype | None:
+    return torch.bfloat16 if training_args.bf16 else torch.float16 if training_args.fp16 else None
 
 
-def gptq_checkpoint(foak_args) -> dict | None:
-    """The ``quantization_config`` of a ``--model`` directory whose config.json says ``quant_method: gptq``
-    (None for any other model). A GPTQ base is frozen 4-bit: only ``--peft lora`` can train it (ValueError
-    otherwise)."""
-    import json
+def weights_dtype(foak_args, training_args, quantized: bool = False) -> torch.dtype:
+    """The dtype the weights are loaded in: --torch_dtype; else fp32 (master weights under --bf16/--fp16
+    autocast), or for a quantized base (NF4, GPTQ) the autocast dtype (fp32 without one)."""
+    if foak_args.torch_dtype is not None:
+        return getattr(torch, foak_args.torch_dtype)
+    if quantized:
+        return _autocast_dtype(training_args) or torch.float32
+    return torch.float32
 
-    if foak_args.model is None:
-        return None
-    config_path = Path(foak_args.model) / "config.json"
-    if not config_path.is_file():
-        return None
+
+def _quantized(foak_args, gptq) -> bool:
+    return foak_args.peft == "qlora-nf4" or gptq is not None
+
+
+def check_run_precision(foak_args, training_args, gptq) -> None:
+    """The weights' dtype against --bf16/--fp16 (foak.config.check_precision's matrix), before anything loads."""
+    from foak.config import check_precision
+
+    dtype = weights_dtype(foak_args, training_args, _quantized(foak_args, gptq))
     try:
-        qc = json.loads(config_path.read_text()).get("quantization_config")
-    except (json.JSONDecodeError, AttributeError) as e:
-        raise ValueError(f"--model {foak_args.model}: config.json is not a JSON object ({e})") from e
+        check_precision(dtype, _mixed_precision(training_args), peft=foak_args.peft != "none")
+    except ValueError as e:
+        flags = f"--torch_dtype {str(dtype).removeprefix('torch.')}"
+        flags += {"bf16": " with --bf16", "fp16": " with --fp16"}.get(_mixed_precision(training_args), "")
+        raise ValueError(f"{flags}: {e}") from None
+
+
+# ---- the model --------------------------------------------------------------------------------------------
+def gptq_checkpoint(foak_args, model_config: dict | None) -> dict | None:
+    """The ``quantization_config`` of a ``--model`` whose config.json says ``quant_method: gptq`` (None for any
+    other model). A GPTQ base is frozen 4-bit: only ``--peft lora`` can train it (ValueError otherwise)."""
+    if foak_args.model is None or not isinstance(model_config, dict):
+        return None
+    qc = model_config.get("quantization_config")
     if not isinstance(qc, dict) or str(qc.get("quant_method", "")).lower() != "gptq":
         return None
     if foak_args.peft == "none":
@@ -144,23 +321,31 @@ def gptq_checkpoint(foak_args) -> dict | None:
 
 
 def _load_kwargs(foak_args, training_args) -> dict:
-    """from_pretrained's dtype and, for --peft qlora-nf4, the NF4 BitsAndBytesConfig."""
+    """from_pretrained's dtype and, for --peft qlora-nf4, the NF4 BitsAndBytesConfig (compute dtype: the
+    autocast dtype, else the weights')."""
     import transformers
 
-    dtype = _dtype(training_args)
+    dtype = weights_dtype(foak_args, training_args, quantized=foak_args.peft == "qlora-nf4")
     kwargs = {"dtype": dtype}
     if foak_args.peft == "qlora-nf4":
         try:
             import bitsandbytes  # noqa: F401
-        except ImportError as e:
-            raise ValueError("--peft qlora-nf4 needs bitsandbytes (pip install bitsandbytes)") from e
+        except ImportError:
+            raise ValueError("--peft qlora-nf4 needs bitsandbytes: pip install 'foak[qlora]'") from None
         kwargs["quantization_config"] = transformers.BitsAndBytesConfig(
             load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
-            bnb_4bit_compute_dtype=dtype)
+            bnb_4bit_compute_dtype=_autocast_dtype(training_args) or dtype)
     return kwargs
 
 
-def load_model_and_tokenizer(foak_args, training_args):
+def _loader_error(source, what: str, e: Exception) -> ValueError:
+    first = next((line.strip() for line in str(e).splitlines() if line.strip()), type(e).__name__)
+    return ValueError(f"--model {source.given}: transformers could not load its {what}: {first}")
+
+
+def load_model_and_tokenizer(foak_args, training_args, source=None):
+    """(model, tokenizer, description). ``source``: the checked --model (:func:`foak.model_source.resolve_model`;
+    resolved here when not given)."""
     import transformers
 
     if foak_args.model is None:
@@ -186,24 +371,38 @@ def load_model_and_tokenizer(foak_args, training_args):
                 model = transformers.AutoModelForCausalLM.from_pretrained(tmp, **kwargs)
             model.name_or_path = model.config.name_or_path = ""  # as from_config: the temporary directory is gone
             name = "tiny Llama (2 layers, hidden 64, built from a config, NF4-quantized by bitsandbytes)"
+        else:
+            model = model.to(weights_dtype(foak_args, training_args))
         return model, tokenizer, name
-    path = Path(foak_args.model)
-    if not path.exists():
-        raise ValueError(f"--model {foak_args.model}: no such local path (foak train does not download models)")
-    gptq = gptq_checkpoint(foak_args)
-    tokenizer = transformers.AutoTokenizer.from_pretrained(path)
+    if source is None:
+        from foak.model_source import resolve_model
+
+        source = resolve_model(foak_args.model)
+    gptq = gptq_checkpoint(foak_args, source.config)
+    hub = {"local_files_only": True} if source.local_files_only else {}
+    try:
+        tokenizer = transformers.AutoTokenizer.from_pretrained(source.ref, **hub)
+    except (OSError, ValueError, ImportError, KeyError) as e:
+        raise _loader_error(source, "tokenizer", e) from e
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
     if gptq is not None:
         # foak's own loader: transformers' from_pretrained would need gptqmodel for a GPTQ checkpoint
         from foak.quant import load_gptq
 
-        dtype = _dtype(training_args)
-        model = load_gptq(path, dtype=dtype)
-        return model, tokenizer, (f"{path} (GPTQ 4-bit checkpoint, group_size {gptq.get('group_size', 128)}, "
+        dtype = weights_dtype(foak_args, training_args, quantized=True)
+        model = load_gptq(source.local_dir(), dtype=dtype)
+        model.name_or_path = source.ref  # what a saved adapter records as its base
+        return model, tokenizer, (f"{source} (GPTQ 4-bit checkpoint, group_size {gptq.get('group_size', 128)}, "
                                   f"loaded by foak.quant.load_gptq computing in {str(dtype).removeprefix('torch.')})")
-    model = transformers.AutoModelForCausalLM.from_pretrained(path, **_load_kwargs(foak_args, training_args))
-    return model, tokenizer, str(path)
+    try:
+        model = transformers.AutoModelForCausalLM.from_pretrained(
+            source.ref, **_load_kwargs(foak_args, training_args), **hub)
+    except (OSError, ValueError, ImportError, KeyError) as e:
+        if "bitsandbytes" in str(e) and foak_args.peft == "qlora-nf4":
+            raise
+        raise _loader_error(source, "model", e) from e
+    return model, tokenizer, str(source)
 
 
 def apply_peft(model, foak_args):
@@ -222,7 +421,10 @@ def apply_peft(model, foak_args):
             f"--target_modules {unknown} match no linear layer of this model; its linear layers are "
             f"{sorted(linear_names)}"
         )
-    import peft
+    try:
+        import peft
+    except ImportError:
+        raise ValueError(f"--peft {foak_args.peft} needs peft: pip install 'foak[train]'") from None
 
     if foak_args.peft == "qlora-nf4":
         model = peft.prepare_model_for_kbit_training(
@@ -237,42 +439,18 @@ def apply_peft(model, foak_args):
     return peft.get_peft_model(model, config)
 
 
-def plot_loss(log_history, path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    points = [(h["step"], h["loss"]) for h in log_history if "loss" in h]
-    fig, ax = plt.subplots(figsize=(6, 3.5))
-    ax.plot([s for s, _ in points], [v for _, v in points], marker="o", markersize=3)
-    ax.set_xlabel("step")
-    ax.set_ylabel("training loss")
-    ax.set_title("foak train")
-    ax.grid(alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
-
-
-def _peak_memory_gib() -> tuple[float, str]:
-    if torch.cuda.is_available():
-        return torch.cuda.max_memory_allocated() / 2**30, "GPU max allocated"
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20, "process max RSS"
-
-
-def resolve_config(foak_args, embedded: bool):
-    """The AccelerationConfig to patch with (None: train without foak): the YAML given, else the default of the
-    module docstring."""
+# ---- the acceleration config --------------------------------------------------------------------------------
+def resolve_config(foak_args):
+    """What to patch with: None (no foak: ``--acceleration_config none``), "default" (every switch foak has
+    for the model, :func:`foak.patching.default_config`, chosen once the model is built) or the YAML's
+    AccelerationConfig, whose stanza must match --peft."""
     from foak.config import FULL_STANZA, PEFT_STANZA, load_config
 
     given = foak_args.acceleration_config
     if given == "none":
         return None
     if given is None:
-        if foak_args.peft != "none":
-            return load_config(PEFT_KERNELS)
-        return load_config(EMBEDDED_KERNELS) if embedded else None
+        return "default"
     config = load_config(given)
     # the stanza says full fine-tuning or PEFT: it must be the run's (foak.patch would take a training stanza
     # on a PEFT model, leave its LoRA layers unfused and check the precision as for full fine-tuning)
@@ -292,15 +470,15 @@ def resolve_config(foak_args, embedded: bool):
     return config
 
 
-def _check_architecture(model, foak_args) -> None:
-    """The default config on a model foak has no rules for: say how to train it anyway."""
+def check_architecture(model_type: str | None, foak_args) -> None:
+    """foak's kernels need an architecture foak has rules for: otherwise say how to train without them."""
     from foak.models import ARCHITECTURES
 
-    model_type = getattr(model.config, "model_type", None)
     if model_type not in ARCHITECTURES:
         raise ValueError(
             f"--model {foak_args.model}: foak has no kernels for model_type {model_type!r} (supported: "
-            f"{', '.join(sorted(ARCHITECTURES))}); pass --acceleration_config none to train it without foak"
+            f"{', '.join(sorted(ARCHITECTURES))}); pass --acceleration_config none to train it without foak's "
+            "kernels (the baseline)"
         )
 
 
@@ -324,67 +502,173 @@ def fused_lora_calls(report) -> dict | None:
             "peft_path_reasons": reasons, "notes": "; ".join(r.notes for r in rows if r.notes)}
 
 
+# ---- training ---------------------------------------------------------------------------------------------
+def _trainer_class():
+    from transformers import Trainer
+
+    class FoakTrainer(Trainer):
+        """HF Trainer that counts the tokens of every micro-batch it trains and keeps the loss of the first
+        and of the latest optimizer step (the sum of its micro-batches' losses, as HF's logged loss)."""
+
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            self.foak_tokens = 0
+            self.foak_step_losses: dict[int, torch.Tensor] = {}
+
+        def training_step(self, model, inputs, *args, **kwargs):
+            mask = inputs.get("attention_mask")
+            tokens = mask.sum() if mask is not None else inputs["input_ids"].numel()
+            self.foak_tokens = self.foak_tokens + tokens  # a tensor stays on its device: no sync per step
+            loss = super().training_step(model, inputs, *args, **kwargs)
+            step, losses = self.state.global_step + 1, self.foak_step_losses
+            if step in losses:
+                losses[step] = losses[step] + loss.detach()
+            else:
+                for old in sorted(losses)[1:]:  # keep the first step and the current one
+                    del losses[old]
+                losses[step] = loss.detach().clone()
+            return loss
+
+    return FoakTrainer
+
+
+def plot_loss(log_history, path: Path, title: str) -> str:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    points = [(h["step"], h["loss"]) for h in log_history if "loss" in h]
+    fig, ax = plt.subplots(figsize=(7, 4))
+    ax.plot([s for s, _ in points], [v for _, v in points], marker="o", markersize=3)
+    ax.set_xlabel("step")
+    ax.set_ylabel("training loss (mean per logging interval)")
+    ax.set_title(title, fontsize=9)
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return title
+
+
+def _peak_memory_gib() -> tuple[float, str]:
+    if torch.cuda.is_available():
+        return torch.cuda.max_memory_allocated() / 2**30, "GPU max allocated"
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20, "process max RSS"
+
+
+def _run_title(foak_args, training_args, source, config) -> str:
+    model = "embedded tiny Llama" if source is None else (source.ref if source.hub else Path(source.ref).name)
+    mode = {"none": "full fine-tuning", "lora": f"LoRA r{foak_args.lora_r}",
+            "qlora-nf4": f"QLoRA NF4 r{foak_args.lora_r}"}[foak_args.peft]
+    precision = {"bf16": "bf16 autocast", "fp16": "fp16 autocast", "no": "no autocast"}[
+        _mixed_precision(training_args)]
+    if config is None:
+        kernels = "baseline (no foak kernels)"
+    else:
+        where = "" if foak_args.acceleration_config is None else f" ({Path(foak_args.acceleration_config).name})"
+        kernels = "foak" + where + ": " + ", ".join(sorted(config.enabled_rules()))
+    return f"foak train: {model}, {mode}, {precision}\n{kernels}"
+
+
 def train(argv: list[str]) -> dict:
     """Run ``foak train`` with command-line ``argv``; returns the summary dict (with ``patch_report``, the
-    report's text after training, and ``fused_lora``, see :func:`fused_lora_calls`; both None without foak)."""
-    from transformers import Trainer
+    report's text after training, and ``fused_lora``, see :func:`fused_lora_calls`; both None without foak).
+    User errors are ValueErrors (the CLI prints them as one line)."""
+    import transformers
 
     import foak
     from foak.backend import describe
 
     foak_args, training_args = parse_arguments(argv)
+    setup_logging(training_args.log_level)
+    # seeded before the model and any adapter are built (the Trainer seeds again when it is constructed)
+    if training_args.full_determinism:
+        transformers.enable_full_determinism(training_args.seed)
+    else:
+        transformers.set_seed(training_args.seed)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     backend = describe(device)
-    if device.type == "cpu":
+    # everything the user gave is checked before the model is built and any data is read
+    source = None
+    if foak_args.model is not None:
+        from foak.model_source import resolve_model
+
+        source = resolve_model(foak_args.model)
+    gptq = gptq_checkpoint(foak_args, None if source is None else source.config)  # a GPTQ --model needs lora
+    config = resolve_config(foak_args)
+    if config is not None:
+        check_architecture("llama" if source is None else source.model_type, foak_args)
+    check_run_precision(foak_args, training_args, gptq)
+    if training_args.fp16 and device.type == "cpu":
+        raise ValueError("--fp16 needs a CUDA GPU: on CPU accelerate runs neither fp16 autocast nor a GradScaler, "
+                         "so the run would silently compute in fp32; use --bf16 (bf16 autocast runs on CPU) or no "
+                         "precision flag")
+    if device.type == "cpu" and config is not None:
         how = ("the Triton interpreter (TRITON_INTERPRET=1: exact but slow)" if backend != "reference"
                else "the reference torch ops")
-        print(f"No GPU: foak's Triton kernels need a CUDA GPU; on this CPU the patched model runs {how}.")
-    # everything the user gave is checked before the model is built
+        log.info(f"No GPU: foak's Triton kernels need a CUDA GPU; on this CPU the patched model runs {how}.")
     records = read_jsonl(foak_args.dataset, foak_args.text_field) if foak_args.dataset else generated_corpus()
-    embedded = foak_args.model is None and foak_args.dataset is None
-    gptq_checkpoint(foak_args)  # a GPTQ --model needs --peft lora
-    config = resolve_config(foak_args, embedded)
-    model, tokenizer, model_name = load_model_and_tokenizer(foak_args, training_args)
+    model, tokenizer, model_name = load_model_and_tokenizer(foak_args, training_args, source)
     dataset = tokenize(records, tokenizer, foak_args.max_seq_length, foak_args.text_field)
-    print(f"model: {model_name}; dataset: {foak_args.dataset or 'generated corpus'} ({len(dataset)} "
-          f"sequences, {dataset.n_tokens} tokens"
-          + (f", {dataset.truncated} truncated to max_seq_length={foak_args.max_seq_length}" if dataset.truncated
-             else "") + ")")
+    log.info(f"model: {model_name}; dataset: {foak_args.dataset or 'generated corpus'} ({len(dataset)} "
+             f"sequences, {dataset.n_tokens} tokens"
+             + (f", {dataset.truncated} truncated to max_seq_length={foak_args.max_seq_length}" if dataset.truncated
+                else "") + ")")
     model.config.use_cache = False  # training needs no KV cache (and packing requires none)
-    if config is not None and foak_args.acceleration_config is None:
-        _check_architecture(model, foak_args)
     model = apply_peft(model, foak_args)
     report = None
     if config is None:
-        why = ("--acceleration_config none" if foak_args.acceleration_config == "none"
-               else "no --acceleration_config for full fine-tuning of a model or dataset of yours")
-        print(f"{why}: training without foak's kernels (the baseline)")
+        log.info("--acceleration_config none: training without foak's kernels (the baseline)")
     else:
+        if config == "default":
+            from foak.patching import default_config
+
+            config = default_config(model)
+            log.info(f"foak kernels: every switch foak has for {model.config.model_type} "
+                     f"({', '.join(s for s in type(config).model_fields if getattr(config, s) is True)}); "
+                     "--acceleration_config none trains without them")
         report = foak.patch(model, config, mixed_precision=_mixed_precision(training_args))
-        print(report)
-    collator = TokenCounter(PackingCollator() if foak_args.packing else PaddingCollator(tokenizer.pad_token_id))
+        log.info(str(report))
+    collator = PackingCollator() if foak_args.packing else PaddingCollator(tokenizer.pad_token_id)
     if training_args.gradient_checkpointing:
         training_args.gradient_checkpointing_kwargs = {"use_reentrant": False}
-    trainer = Trainer(model=model, args=training_args, train_dataset=dataset, data_collator=collator)
+    trainer = _trainer_class()(model=model, args=training_args, train_dataset=dataset, data_collator=collator)
     start = time.perf_counter()
-    result = trainer.train()
+    result = trainer.train(resume_from_checkpoint=training_args.resume_from_checkpoint)
     seconds = time.perf_counter() - start
     if report is not None:
-        print(f"after training:\n{report}")  # the fused_lora row now counts the calls
+        log.info(f"after training:\n{report}")  # the fused_lora row now counts the calls
     output_dir = Path(training_args.output_dir)
     trainer.save_model(str(output_dir))
     tokenizer.save_pretrained(str(output_dir))
-    # logged losses (every logging_steps); a run shorter than one logging interval has only its average
-    losses = [h["loss"] for h in trainer.state.log_history if "loss" in h] or [result.training_loss]
-    plot_loss(trainer.state.log_history, output_dir / "loss_curve.png")
+    step_losses = {s: float(v) for s, v in trainer.foak_step_losses.items()}
+    first_step = min(step_losses, default=None)
+    first_loss = step_losses[first_step] if first_step is not None else math.nan
+    # the last logged loss: the mean over the last logging interval (a run shorter than one interval: the last
+    # step's own loss)
+    logged = [h for h in trainer.state.log_history if "loss" in h]
+    if logged:
+        final_loss, final_steps = logged[-1]["loss"], logged[-1]["step"]
+        interval = final_steps - (logged[-2]["step"] if len(logged) > 1 else 0)
+        final_what = f"mean of steps {final_steps - interval + 1}-{final_steps}" if interval > 1 else \
+            f"step {final_steps}"
+    elif step_losses:
+        final_loss, final_what = step_losses[max(step_losses)], f"step {max(step_losses)}"
+    else:
+        final_loss, final_what = math.nan, "no step"
+    title = plot_loss(trainer.state.log_history, output_dir / "loss_curve.png",
+                      _run_title(foak_args, training_args, source, None if report is None else config))
+    tokens = int(trainer.foak_tokens)
     peak, peak_kind = _peak_memory_gib()
-    summary = {"steps": result.global_step, "seconds": seconds, "tokens": collator.tokens,
-               "tokens_per_second": collator.tokens / seconds, "peak_memory_gib": peak,
-               "first_loss": losses[0] if losses else math.nan, "final_loss": losses[-1] if losses else math.nan,
-               "output_dir": str(output_dir), "patch_report": None if report is None else str(report),
+    summary = {"steps": result.global_step, "seconds": seconds, "tokens": tokens,
+               "tokens_per_second": tokens / seconds, "peak_memory_gib": peak,
+               "first_loss": first_loss, "final_loss": final_loss, "output_dir": str(output_dir),
+               "plot_title": title, "log_history": trainer.state.log_history, "patch_report": None if report is None else str(report),
                "fused_lora": None if report is None else fused_lora_calls(report)}
-    print(f"done: {summary['steps']} steps in {seconds:.1f} s, {summary['tokens_per_second']:.0f} tokens/s, "
-          f"peak memory {peak:.2f} GiB ({peak_kind}), loss {summary['first_loss']:.3f} -> "
-          f"{summary['final_loss']:.3f}; model and loss_curve.png in {output_dir}")
+    log.info(f"done: {summary['steps']} steps in {seconds:.1f} s, {tokens} tokens, "
+             f"{summary['tokens_per_second']:.0f} tokens/s, peak memory {peak:.2f} GiB ({peak_kind}), loss "
+             f"{first_loss:.3f} (step {first_step}) -> {final_loss:.3f} ({final_what}); model and loss_curve.png in "
+             f"{output_dir}")
     sys.stdout.flush()
     return summary

@@ -87,6 +87,8 @@ def verify_model(model, switches: list[str] | None = None, batch=None) -> list[V
     unknown = sorted(set(switches) - set(available))
     if unknown:
         raise ValueError(f"foak verify: {unknown} not available for this model (available: {available})")
+    if not switches:  # nothing compared is never a pass
+        raise ValueError(f"foak verify: no rule to check (available for this model: {available or 'none'})")
     model.eval()  # dropout off: both sides must see the same function (gradients are still computed)
     dtype = next(model.parameters()).dtype
     tolerance = TOLERANCE[dtype]

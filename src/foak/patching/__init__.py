@@ -11,9 +11,40 @@ from foak.patching.rules import PatchReport, Rule, RuleResult, Trigger, apply, i
 NOT_IMPLEMENTED: dict[str, str] = {}
 
 
+def default_config(model):
+    """The AccelerationConfig of every switch foak has for ``model``'s architecture: ``fast_rms_layernorm``,
+    ``fast_rope_embeddings``, ``fast_swiglu``, ``fast_moe`` where the architecture has rules for them,
+    ``fused_linear_loss`` (``fast_loss`` instead where the fused head cannot apply, e.g. a final logit
+    softcap), and ``fused_lora`` on a PEFT model (the ``peft`` stanza then; the ``training`` one otherwise).
+    Not included: ``fast_loss`` next to ``fused_linear_loss`` (they exclude each other) and switches in
+    NOT_IMPLEMENTED. Each rule computes exactly what the module it replaces would in every weight dtype and
+    mixed precision foak takes, and takes the original path (counted in the report) where it cannot;
+    ``patch(..., mixed_precision=...)`` checks the dtype combination itself. A ValueError for an architecture
+    foak has no rules for."""
+    from foak.config import SWITCH_TO_RULE, config_from_kwargs
+    from foak.models import rules_for
+    from foak.patching.peft import is_peft_model
+
+    rules = rules_for(model)
+    available = {r.switch for r in rules} - NOT_IMPLEMENTED.keys()
+    peft = is_peft_model(model)
+    if not peft:
+        available.discard("lora")
+    if "fused_linear_loss" in available:
+        fused = next(r for r in rules if r.switch == "fused_linear_loss")
+        if fused.skip_reason is None or fused.skip_reason(model) is None:
+            available.discard("loss")
+        elif "loss" in available:
+            available.discard("fused_linear_loss")
+    switches = {key: True for key, rule in SWITCH_TO_RULE.items() if rule in available}
+    return config_from_kwargs("peft" if peft else "full", **switches)
+
+
 def patch(model, config=None, *, mixed_precision: str | None = None, **switches) -> PatchReport:
     """Patch a loaded HF causal LM with foak's kernels, as ``config`` (a path to the acceleration YAML, its
-    parsed dict, an AccelerationConfig) or keyword switches (``fast_rms_layernorm=True, ...``) ask.
+    parsed dict, an AccelerationConfig) or keyword switches (``fast_rms_layernorm=True, ...``) ask. With
+    neither, every switch foak has for the model (:func:`default_config`: the kernels of its architecture,
+    ``fused_lora`` on a PEFT model).
 
     ``mixed_precision`` ("no", "fp16", "bf16"; what the trainer will use) is checked against the model's
     weight dtype with the compatibility matrix of foak.config.check_precision.
@@ -26,14 +57,18 @@ def patch(model, config=None, *, mixed_precision: str | None = None, **switches)
         raise ValueError("foak.patch: pass either a config or keyword switches, not both")
     from foak.patching.peft import is_peft_model
 
-    if config is None and "mode" not in switches:
+    use_default = config is None and not switches
+    if config is None and "mode" not in switches and not use_default:
         # keyword switches on a PEFT model are the peft stanza's (fused_lora is only valid there)
         if is_peft_model(model):
             switches["mode"] = "peft"
         elif switches.get("fused_lora"):
             raise ValueError("foak.patch: fused_lora=True needs a PEFT LoRA model (wrap the model with "
                              "peft.get_peft_model first), or drop fused_lora for full fine-tuning")
-    cfg = load_config(config) if config is not None else config_from_kwargs(**switches)
+    if use_default:
+        cfg = default_config(model)
+    else:
+        cfg = load_config(config) if config is not None else config_from_kwargs(**switches)
     enabled = cfg.enabled_rules()
     if mixed_precision is not None:
         weights = next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
@@ -66,4 +101,4 @@ def patch(model, config=None, *, mixed_precision: str | None = None, **switches)
     return report
 
 
-__all__ = ["PatchReport", "Rule", "RuleResult", "Trigger", "apply", "is_patched", "patch", "restore"]
+__all__ = ["PatchReport", "Rule", "RuleResult", "Trigger", "apply", "default_config", "is_patched", "patch", "restore"]
