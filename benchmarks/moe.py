@@ -84,11 +84,88 @@ def rel(a, b):
     return ((a.float() - b.float()).abs().max() / b.float().abs().max().clamp(min=1e-30)).item()
 
 
+def parts(shape, device):
+    """Each piece of foak's forward and backward alone (CUDA-event medians), the grouped GEMMs also as one
+    torch.mm per expert, to show where the time goes."""
+    from foak.ops import moe as m
+    from foak.ops.activations import _backward_launch, _forward_launch
+
+    module, x, idx, w, dy = build(shape, torch.bfloat16, device)
+    gu, dn = module.gate_up_proj.detach(), module.down_proj.detach()
+    T, K, E, inter = shape["T"], shape["k"], shape["E"], shape["I"]
+    flat = idx.reshape(-1)
+
+    def route():
+        order = torch.argsort(flat, stable=True)
+        pos = torch.empty_like(order)
+        pos[order] = torch.arange(order.numel(), device=device)
+        per = torch.zeros(E, dtype=torch.int64, device=device).scatter_add_(0, flat, torch.ones_like(flat))
+        return order, pos, per, torch.cumsum(per, 0, dtype=torch.int32)
+
+    order, pos, per, offs = route()
+    counts_host = per.tolist()
+    src = order // K
+    xs = x[src]
+    h = m._gmm(xs, gu.transpose(1, 2), offs, lambda: counts_host)
+    a = _forward_launch(h[:, :inter], h[:, inter:], "silu")
+    y = m._gmm(a, dn.transpose(1, 2), offs, lambda: counts_host)
+    pos2 = pos.view(T, K)
+    dys, _ = m._combine_backward(dy, y, pos2, w)
+
+    def loop_mm(a_, b_):
+        out = a_.new_empty((a_.shape[0], b_.shape[-1]))
+        start = 0
+        for e, c in enumerate(counts_host):
+            torch.mm(a_[start:start + c], b_[e], out=out[start:start + c])
+            start += c
+        return out
+
+    def loop_w(a_, b_):
+        out = a_.new_empty((E, a_.shape[1], b_.shape[1]))
+        start = 0
+        for e, c in enumerate(counts_host):
+            torch.mm(a_[start:start + c].t(), b_[start:start + c], out=out[e])
+            start += c
+        return out
+
+    da = m._gmm(dys, dn, offs, lambda: counts_host)
+    dh = torch.empty_like(h)
+    pieces = {
+        "route (sort, positions, counts)": route,
+        "gather xs": lambda: x[src],
+        "gemm1 grouped": lambda: torch._grouped_mm(xs, gu.transpose(1, 2), offs=offs),
+        "gemm1 per-expert mm": lambda: loop_mm(xs, gu.transpose(1, 2)),
+        "glu fwd": lambda: _forward_launch(h[:, :inter], h[:, inter:], "silu"),
+        "gemm2 grouped": lambda: torch._grouped_mm(a, dn.transpose(1, 2), offs=offs),
+        "gemm2 per-expert mm": lambda: loop_mm(a, dn.transpose(1, 2)),
+        "combine fwd": lambda: m._combine(y, pos2, w, torch.bfloat16),
+        "combine bwd (dy, dw)": lambda: m._combine_backward(dy, y, pos2, w),
+        "d_a grouped": lambda: torch._grouped_mm(dys, dn, offs=offs),
+        "d_a per-expert mm": lambda: loop_mm(dys, dn),
+        "glu bwd": lambda: _backward_launch(da, h[:, :inter], h[:, inter:], dh[:, :inter], dh[:, inter:], "silu",
+                                            h=torch.empty_like(a)),
+        "d_down grouped": lambda: torch._grouped_mm(dys.t(), a, offs=offs),
+        "d_down per-expert mm": lambda: loop_w(dys, a),
+        "d_gate_up grouped": lambda: torch._grouped_mm(dh.t(), xs, offs=offs),
+        "d_gate_up per-expert mm": lambda: loop_w(dh, xs),
+        "d_xs grouped": lambda: torch._grouped_mm(dh, gu, offs=offs),
+        "d_xs per-expert mm": lambda: loop_mm(dh, gu),
+        "combine d_hidden": lambda: m._combine(y, pos2, None, torch.bfloat16),
+    }
+    out = {}
+    for name, fn in pieces.items():
+        out[name] = timed_ms(fn, reps=10, warmup=2)
+        print(f"part {name}: {out[name]:.3f} ms", flush=True)
+    return out
+
+
 def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--cpu-smoke", action="store_true")
     parser.add_argument("--reps", type=int, default=10)
     parser.add_argument("--variants", default="loop,grouped_mm,foak")
+    parser.add_argument("--recompute-h", action="store_true", help="foak: moe_experts' recompute_h for the timings")
+    parser.add_argument("--parts", action="store_true", help="time each piece of foak's op (Mixtral-like shape)")
     parser.add_argument("--out", default=os.environ.get("OUT", "out"))
     args = parser.parse_args()
     if SMOKE:
@@ -134,6 +211,11 @@ def main() -> int:
         torch.cuda.empty_cache()
 
     # 2. timings ---------------------------------------------------------------------------------------
+    part_ms = parts(SHAPES["mixtral"], device) if args.parts and not SMOKE else {}
+    if args.recompute_h:
+        from foak.ops import moe as moe_mod
+
+        moe_mod.TUNING["recompute_h"] = True
     if not SMOKE:
         for shape_name, shape in SHAPES.items():
             flops = 18 * shape["T"] * shape["k"] * shape["H"] * shape["I"]
@@ -167,7 +249,8 @@ def main() -> int:
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
     path = out_dir / ("moe_cpu_smoke.json" if SMOKE else "moe_h200.json")
-    path.write_text(json.dumps({**meta, "checks": checks, "rows": rows}, indent=1))
+    meta["recompute_h"] = args.recompute_h
+    path.write_text(json.dumps({**meta, "checks": checks, "parts_ms": part_ms, "rows": rows}, indent=1))
     print(f"wrote {path}")
     if rows:
         print("| shape | variant | fwd+bwd ms | TFLOP/s | extra peak MiB | first call s |")

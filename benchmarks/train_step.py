@@ -208,8 +208,13 @@ def run_one(model_name: str, variant: str, checkpointing: bool = False, packed: 
         return loss.detach()
 
     sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
-    for inputs in batches[:WARMUP]:
+    sync()
+    first_start = time.perf_counter()
+    for n, inputs in enumerate(batches[:WARMUP]):
         losses.append(step(inputs))
+        if n == 0:
+            sync()
+            first_step_s = time.perf_counter() - first_start  # compilation / autotuning included
     sync()
     if device == "cuda":
         torch.cuda.reset_peak_memory_stats()
@@ -230,7 +235,7 @@ def run_one(model_name: str, variant: str, checkpointing: bool = False, packed: 
             "lora": lora,
             "batch": batch, "seq": seq, "tokens_per_s": TIMED * batch * seq / seconds,
             "step_ms": seconds / TIMED * 1e3,
-            "peak_gib": peak_gib, "losses": [float(x) for x in losses],
+            "peak_gib": peak_gib, "first_step_s": first_step_s, "losses": [float(x) for x in losses],
             "patch_report": None if report is None else str(report),  # after the steps: with call counts
             "profile": profiled}
 
@@ -251,9 +256,15 @@ def main() -> int:
                         help="foak: linear_cross_entropy's chunk budget (default: its TUNING value)")
     parser.add_argument("--tag", default="", help="suffix of the result file name")
     parser.add_argument("--profile", action="store_true", help="also profile 2 steps: GPU time by kernel category")
+    parser.add_argument("--moe-recompute", action="store_true",
+                        help="foak: moe_experts recomputes the [S, 2I] gate/up product in the backward")
     parser.add_argument("--one", nargs=2, metavar=("MODEL", "VARIANT"))
     args = parser.parse_args()
     if args.one:
+        if args.moe_recompute:
+            from foak.ops import moe
+
+            moe.TUNING["recompute_h"] = True
         if args.lce_chunk_mib:
             from foak.ops import linear_cross_entropy as lce
             from foak.patching import replacements
@@ -267,7 +278,7 @@ def main() -> int:
         return 0
     flags = [f for f, on in (("--checkpointing", args.checkpointing), ("--packed", args.packed),
                              ("--autocast", args.autocast), ("--lora", args.lora), ("--qlora", args.qlora), ("--gptq", args.gptq),
-                             ("--profile", args.profile)) if on]
+                             ("--profile", args.profile), ("--moe-recompute", args.moe_recompute)) if on]
     if args.lce_chunk_mib:
         flags += ["--lce-chunk-mib", str(args.lce_chunk_mib)]
     rows = []
@@ -300,14 +311,14 @@ def main() -> int:
     if args.tag:
         suffix += f"_{args.tag}"
     (Path(args.out) / f"train_step_h200{suffix}.json").write_text(json.dumps(result, indent=1))
-    print("| model | variant | tokens/s | peak GiB | step ms | first losses |")
-    print("|---|---|---|---|---|---|")
+    print("| model | variant | tokens/s | peak GiB | step ms | first step s | first losses |")
+    print("|---|---|---|---|---|---|---|")
     for r in rows:
         if "error" in r:
-            print(f"| {r['model']} | {r['variant']} | error: {r['error'][:120]} | | | |")
+            print(f"| {r['model']} | {r['variant']} | error: {r['error'][:120]} | | | | |")
         else:
             print(f"| {r['model']} | {r['variant']} | {r['tokens_per_s']:.0f} | {r['peak_gib']:.1f} | "
-                  f"{r['step_ms']:.0f} | {', '.join(f'{x:.4f}' for x in r['losses'][:3])} |")
+                  f"{r['step_ms']:.0f} | {r['first_step_s']:.1f} | {', '.join(f'{x:.4f}' for x in r['losses'][:3])} |")
     for r in rows:
         if r.get("profile") and "error" in r["profile"]:
             print(f"profile {r['model']} {r['variant']}: {r['profile']['error']}")

@@ -144,3 +144,15 @@ def test_second_backward_is_an_error():
     y.sum().backward(retain_graph=True)
     with pytest.raises(RuntimeError, match="backward ran twice"):
         y.sum().backward()
+
+
+def test_recompute_h_same_gradients():
+    """recompute_h=True keeps no [S, 2I] tensor and recomputes it in the backward: the same numbers."""
+    module = experts()
+    idx, w = routing(37, 2, allowed=(0, 1, 3))
+    x = torch.randn(37, H)
+    kept = run(lambda x, w: moe_experts(x, idx, w, module.gate_up_proj, module.down_proj), x, w, module)
+    again = run(lambda x, w: moe_experts(x, idx, w, module.gate_up_proj, module.down_proj, recompute_h=True), x, w,
+                module)
+    for name, a, b in zip(("out", "d_hidden", "d_weights", "d_gate_up", "d_down"), again, kept):
+        assert torch.equal(a, b), name

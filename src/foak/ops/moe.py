@@ -15,7 +15,8 @@ How it runs (S = T * k token-expert pairs):
 3. a Triton kernel combines back to token order: ``out[t] = sum_j w[t, j] y[pos(t, j)]`` in fp32, with no
    scatter and no atomics (each token reads its k rows).
 
-Saved for the backward: ``h`` and ``y`` (and the small index tensors); ``xs`` is gathered again from ``x`` and
+Saved for the backward: ``h`` and ``y`` (and the small index tensors; with ``recompute_h`` only ``y``, ``h``
+recomputed by one more grouped GEMM); ``xs`` is gathered again from ``x`` and
 ``a`` recomputed from ``h`` by the GLU backward kernel, which writes ``dh`` over ``h`` and ``a`` over ``da``
 (so one backward per forward: a second one through the same graph is an error): the ``[S, I]`` activation
 and the ``[S, H]`` permuted input are not kept, and the backward allocates no second ``[S, 2I]`` buffer. The backward's combine kernel forms ``dy[pos(t, j)] = w[t, j]
@@ -37,7 +38,9 @@ import triton.language as tl
 from foak.backend import use_triton
 from foak.ops.activations import ACTIVATIONS, _backward_launch, _forward_launch, glu_reference
 
-TUNING = {"block_h": 1024, "warps": 4}
+# recompute_h: the backward recomputes h = xs [G|U]^T (one more grouped GEMM, a third of the forward's FLOPs)
+# instead of keeping the [S, 2I] product from the forward (moe_experts' recompute_h=None reads this)
+TUNING = {"block_h": 1024, "warps": 4, "recompute_h": False}
 
 
 # 1. reference -------------------------------------------------------------------------------------
@@ -169,7 +172,8 @@ def _gmm_weight(a, b, offs, counts, n_experts):
 # 4. autograd --------------------------------------------------------------------------------------
 class _MoEExperts(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, hidden, top_k_index, top_k_weights, gate_up_proj, down_proj, activation, out_dtype):
+    def forward(ctx, hidden, top_k_index, top_k_weights, gate_up_proj, down_proj, activation, out_dtype,
+                recompute_h):
         T, K = top_k_index.shape
         E = gate_up_proj.shape[0]
         inter = down_proj.shape[-1]
@@ -198,6 +202,10 @@ class _MoEExperts(torch.autograd.Function):
         del a, xs
         pos = pos.view(T, K)
         out = _combine(y, pos, top_k_weights, out_dtype)
+        ctx.recompute_h = recompute_h
+        if recompute_h:
+            del h
+            h = None
         ctx.save_for_backward(hidden, top_k_weights, gate_up_proj, down_proj, h, y, pos, src, offs, per_expert)
         ctx.activation = activation
         ctx.host_counts = host_counts
@@ -224,6 +232,8 @@ class _MoEExperts(torch.autograd.Function):
         dy, dw = _combine_backward(dout, y, pos, w)
         del y
         da = _gmm(dy, down_proj, offs, counts)  # [S, I]
+        if ctx.recompute_h:
+            h = _gmm(hidden[src], gate_up_proj.transpose(1, 2), offs, counts)
         g, u = h[:, :inter], h[:, inter:]
         if use_triton(h.device):
             # in place: dh over h (this op's own buffer) and a = act(g) * u over da; each element is read
@@ -248,7 +258,7 @@ class _MoEExperts(torch.autograd.Function):
         if ctx.needs_input_grad[0]:
             dxs = _gmm(dh, gate_up_proj, offs, counts)  # [S, H]
             d_hidden = _combine(dxs, pos, None, hidden.dtype)
-        return d_hidden, None, dw if ctx.needs_input_grad[2] else None, d_gate_up, d_down, None, None
+        return d_hidden, None, dw if ctx.needs_input_grad[2] else None, d_gate_up, d_down, None, None, None
 
 
 # 5. public function -------------------------------------------------------------------------------
@@ -283,12 +293,15 @@ def _check(hidden, top_k_index, top_k_weights, gate_up_proj, down_proj, activati
 
 
 def moe_experts(hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor,
-                gate_up_proj: torch.Tensor, down_proj: torch.Tensor, activation: str = "silu") -> torch.Tensor:
+                gate_up_proj: torch.Tensor, down_proj: torch.Tensor, activation: str = "silu",
+                recompute_h: bool | None = None) -> torch.Tensor:
     """The experts block of an MoE layer (see the module docstring): ``hidden`` ``[T, H]``, ``top_k_index``
     ``[T, k]`` (expert ids in ``0..E-1``), ``top_k_weights`` ``[T, k]``, ``gate_up_proj`` ``[E, 2I, H]``,
     ``down_proj`` ``[E, H, I]``; ``activation`` of the gate: "silu" (SwiGLU), "gelu" or "gelu_tanh" (GeGLU).
     Returns ``[T, H]`` in ``hidden``'s dtype; under autocast the GEMMs run in the autocast dtype and the
-    fp32 combine is rounded once, to ``hidden``'s dtype (as transformers' experts accumulate into it). Differentiable in
+    fp32 combine is rounded once, to ``hidden``'s dtype (as transformers' experts accumulate into it).
+    ``recompute_h``: keep no ``[S, 2I]`` tensor from the forward to the backward, recomputing it there with
+    one more grouped GEMM (default ``TUNING["recompute_h"]``). Differentiable in
     ``hidden``, ``top_k_weights`` and both weights. An expert id outside ``0..E-1`` is an index error (a
     device-side assert on CUDA), never a silent result."""
     _check(hidden, top_k_index, top_k_weights, gate_up_proj, down_proj, activation)
@@ -301,6 +314,8 @@ def moe_experts(hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: 
     if len(dtypes) != 1:
         raise ValueError(f"moe_experts: hidden, gate_up_proj and down_proj must share a dtype outside autocast; got "
                          f"{hidden.dtype}, {gate_up_proj.dtype}, {down_proj.dtype}")
+    if recompute_h is None:
+        recompute_h = TUNING["recompute_h"]
     with torch.autocast(device_type, enabled=False):
         return _MoEExperts.apply(hidden.contiguous(), top_k_index, top_k_weights.contiguous(),
-                                 gate_up_proj, down_proj, activation, out_dtype)
+                                 gate_up_proj, down_proj, activation, out_dtype, bool(recompute_h))
