@@ -6,7 +6,8 @@
 Shapes (bf16, SwiGLU experts, routing = softmax -> top-k -> renormalise over random logits):
 Mixtral-like T=8192 E=8 top-2 H=4096 I=14336, Qwen3-MoE-like T=16384 E=128 top-8 H=2048 I=768.
 Variants: ``loop`` (transformers' eager MixtralExperts forward: a Python loop over experts), ``grouped_mm``
-(transformers' grouped_mm experts backend: torch._grouped_mm), ``foak`` (moe_experts). Times: CUDA-event
+(transformers' grouped_mm experts backend: torch._grouped_mm), ``foak`` (moe_experts), ``liger`` (Liger's
+LigerFusedMoEFunction, when the wheel is installed; its first call autotunes). Times: CUDA-event
 median of --reps fwd+bwd calls (out.backward(dy): grads of hidden states, routing weights, both weight
 tensors) after 2 warm-up calls; ``first_s``: wall time of the very first call (compilation, autotuning);
 ``extra_MiB``: peak allocated during a call minus what was allocated before it; TFLOP/s counts the six
@@ -65,6 +66,10 @@ def build(shape, dtype, device, empty=()):
 def variant_fn(name, module):
     from foak.ops.moe import moe_experts
 
+    if name == "liger":
+        from liger_kernel.ops.fused_moe import LigerFusedMoEFunction
+
+        return lambda x, idx, w: LigerFusedMoEFunction.apply(x, module.gate_up_proj, module.down_proj, idx, w)
     if name == "foak":
         return lambda x, idx, w: moe_experts(x, idx, w, module.gate_up_proj, module.down_proj)
     module.config._experts_implementation = "eager" if name == "loop" else name
@@ -82,6 +87,31 @@ def fwd_bwd(fn, module, x, idx, w, dy):
 
 def rel(a, b):
     return ((a.float() - b.float()).abs().max() / b.float().abs().max().clamp(min=1e-30)).item()
+
+
+def router_ms(shape, device):
+    """transformers' MixtralTopKRouter fwd+bwd (logits GEMM, fp32 softmax, top-k, renormalise) vs its logits
+    GEMM alone: the difference bounds what a fused router kernel could save per layer."""
+    from transformers import MixtralConfig
+    from transformers.models.mixtral.modeling_mixtral import MixtralTopKRouter
+
+    cfg = MixtralConfig(hidden_size=shape["H"], num_local_experts=shape["E"], num_experts_per_tok=shape["k"])
+    router = MixtralTopKRouter(cfg).to(device=device, dtype=torch.bfloat16)
+    torch.nn.init.normal_(router.weight, std=0.02)
+    x = torch.randn(shape["T"], shape["H"], device=device, dtype=torch.bfloat16, requires_grad=True)
+    dw = torch.randn(shape["T"], shape["k"], device=device)
+    dl = torch.randn(shape["T"], shape["E"], device=device, dtype=torch.bfloat16)
+
+    def full():
+        logits, scores, _ = router(x)
+        torch.autograd.backward((scores, logits), (dw, dl))
+
+    def gemm():
+        logits = torch.nn.functional.linear(x, router.weight)
+        logits.backward(dl)
+
+    return {"router_fwd_bwd_ms": timed_ms(full, reps=20, warmup=3), "logits_gemm_fwd_bwd_ms": timed_ms(gemm, reps=20,
+                                                                                                        warmup=3)}
 
 
 def parts(shape, device):
@@ -166,6 +196,8 @@ def main() -> int:
     parser.add_argument("--variants", default="loop,grouped_mm,foak")
     parser.add_argument("--recompute-h", action="store_true", help="foak: moe_experts' recompute_h for the timings")
     parser.add_argument("--parts", action="store_true", help="time each piece of foak's op (Mixtral-like shape)")
+    parser.add_argument("--shapes", default="mixtral,qwen3_moe")
+    parser.add_argument("--router", action="store_true", help="time transformers' router at both shapes")
     parser.add_argument("--out", default=os.environ.get("OUT", "out"))
     args = parser.parse_args()
     if SMOKE:
@@ -212,12 +244,18 @@ def main() -> int:
 
     # 2. timings ---------------------------------------------------------------------------------------
     part_ms = parts(SHAPES["mixtral"], device) if args.parts and not SMOKE else {}
+    if args.router and not SMOKE:
+        for shape_name, shape in SHAPES.items():
+            part_ms[f"router {shape_name}"] = router_ms(shape, device)
+            print(f"router {shape_name}: {part_ms[f'router {shape_name}']}", flush=True)
     if args.recompute_h:
         from foak.ops import moe as moe_mod
 
         moe_mod.TUNING["recompute_h"] = True
     if not SMOKE:
         for shape_name, shape in SHAPES.items():
+            if shape_name not in args.shapes.split(","):
+                continue
             flops = 18 * shape["T"] * shape["k"] * shape["H"] * shape["I"]
             for name in args.variants.split(","):
                 module, x, idx, w, dy = build(shape, torch.bfloat16, device)
