@@ -92,9 +92,13 @@ def test_a_model_of_yours_gets_every_kernel_by_default_and_none_is_the_baseline(
     report = patched["patch_report"]
     for rule, modules in [("rms_norm", 5), ("rope", 2), ("swiglu", 2), ("fused_linear_loss", 1)]:
         assert re.search(rf"llama\.{rule} +{rule} +{modules} ", report), (rule, report)
-    baseline = train([*args, "--acceleration_config", "none", "--output_dir", str(tmp_path / "b")])
+    # the baseline, every option spelled with dashes: the user's values are the run's (2 steps into b/)
+    dashed = [a.replace("_", "-") if a.startswith("--") else a for a in args]
+    baseline = train([*dashed, "--acceleration-config", "none", "--output-dir", str(tmp_path / "b")])
     assert baseline["patch_report"] is None and "training without foak's kernels (the baseline)" in \
         capsys.readouterr().out
+    assert baseline["steps"] == 2 and (tmp_path / "b" / "model.safetensors").is_file()
+    assert [h["step"] for h in baseline["log_history"] if "loss" in h] == [1, 2]  # --logging-steps 1
     # the same seed and batches: foak's step-1 loss is the unpatched model's
     assert abs(patched["first_loss"] - baseline["first_loss"]) <= 1e-5 * baseline["first_loss"]
     assert "fused_linear_loss" in patched["plot_title"] and "baseline" in baseline["plot_title"]
