@@ -125,8 +125,10 @@ def _load_verify_model(args, device, dtype):
     if source.model_type not in ARCHITECTURES:
         raise ValueError(f"--model {args.model}: foak has no rules for model_type {source.model_type!r} "
                          f"(supported: {', '.join(sorted(ARCHITECTURES))}), so there is nothing to verify")
-    qc = source.config.get("quantization_config")
-    if isinstance(qc, dict) and str(qc.get("quant_method", "")).lower() == "gptq":
+    from foak.verify import gptq_quantization
+
+    qc = gptq_quantization(source.config)
+    if qc is not None:
         # foak's loader (transformers' GPTQ path would need gptqmodel)
         from foak.quant import load_gptq
 

@@ -573,7 +573,8 @@ def _run_title(foak_args, training_args, source, config) -> str:
 
 def train(argv: list[str]) -> dict:
     """Run ``foak train`` with command-line ``argv``; returns the summary dict (with ``patch_report``, the
-    report's text after training, and ``fused_lora``, see :func:`fused_lora_calls`; both None without foak).
+    report's text after training, and ``fused_lora``, see :func:`fused_lora_calls`, both None without foak;
+    ``log_history``, the Trainer's; ``first_loss``, step 1's own loss; ``final_loss``, the last logged one).
     User errors are ValueErrors (the CLI prints them as one line)."""
     import transformers
 
@@ -664,7 +665,8 @@ def train(argv: list[str]) -> dict:
     summary = {"steps": result.global_step, "seconds": seconds, "tokens": tokens,
                "tokens_per_second": tokens / seconds, "peak_memory_gib": peak,
                "first_loss": first_loss, "final_loss": final_loss, "output_dir": str(output_dir),
-               "plot_title": title, "log_history": trainer.state.log_history, "patch_report": None if report is None else str(report),
+               "plot_title": title, "log_history": trainer.state.log_history,
+               "patch_report": None if report is None else str(report),
                "fused_lora": None if report is None else fused_lora_calls(report)}
     log.info(f"done: {summary['steps']} steps in {seconds:.1f} s, {tokens} tokens, "
              f"{summary['tokens_per_second']:.0f} tokens/s, peak memory {peak:.2f} GiB ({peak_kind}), loss "

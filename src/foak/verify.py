@@ -119,17 +119,21 @@ def verify_model(model, switches: list[str] | None = None, batch=None) -> list[V
     return rows
 
 
-def gptq_quantization(path) -> dict | None:
-    """The ``quantization_config`` of a model directory whose config.json says ``quant_method: gptq`` (load
-    it with :func:`foak.quant.load_gptq`), else None."""
+def gptq_quantization(path_or_config) -> dict | None:
+    """The ``quantization_config`` of a model whose config.json (a model directory, or the parsed config.json)
+    says ``quant_method: gptq`` (load it with :func:`foak.quant.load_gptq`), else None."""
     import json
     import os
 
-    config_path = os.path.join(os.fspath(path), "config.json")
-    if not os.path.isfile(config_path):
-        return None
-    with open(config_path) as f:
-        qc = json.load(f).get("quantization_config")
+    if isinstance(path_or_config, dict):
+        config = path_or_config
+    else:
+        config_path = os.path.join(os.fspath(path_or_config), "config.json")
+        if not os.path.isfile(config_path):
+            return None
+        with open(config_path) as f:
+            config = json.load(f)
+    qc = config.get("quantization_config") if isinstance(config, dict) else None
     if isinstance(qc, dict) and str(qc.get("quant_method", "")).lower() == "gptq":
         return qc
     return None
