@@ -1,4 +1,5 @@
-"""The ``foak`` command line: ``foak info``, ``foak verify``, ``foak train`` (foak.train) and ``foak --version``.
+"""The ``foak`` command line: ``foak info``, ``foak verify``, ``foak train`` (foak.train), ``foak bench``
+(foak.bench.cli) and ``foak --version``.
 
 A user error (a bad path, dataset, config or argument, an unsupported model) is one line on stderr, prefixed
 ``foak <command>: error:``, and exit code 2; ``--debug`` anywhere on the command line (or ``FOAK_DEBUG=1``)
@@ -197,6 +198,7 @@ def build_parser() -> argparse.ArgumentParser:
     verify.add_argument("--device", default=None, help="cuda or cpu (default: cuda if available)")
     verify.set_defaults(func=_cmd_verify)
     sub.add_parser("train", help="fine-tune a causal LM (foak train --help lists the arguments)", add_help=False)
+    sub.add_parser("bench", help="benchmark scenarios and regression checks (foak bench --help)", add_help=False)
     return parser
 
 
@@ -226,8 +228,12 @@ def main(argv: list[str] | None = None) -> int:
     debug, argv = _pop_debug(argv)
     debug = debug or os.environ.get("FOAK_DEBUG", "0") not in ("", "0")
     silence_bitsandbytes_cpu_warning()
-    command = argv[0] if argv and argv[0] in ("info", "verify", "train") else None
+    command = argv[0] if argv and argv[0] in ("info", "verify", "train", "bench") else None
     try:
+        if command == "bench":  # foak.bench.cli parses its own arguments (scenario runs and compare)
+            from foak.bench.cli import main as bench_main
+
+            return bench_main(argv[1:])
         if command == "train":  # HF TrainingArguments names: parsed by transformers' HfArgumentParser
             from foak.train import help_text, train
 

@@ -1,0 +1,294 @@
+"""Timing, memory and environment measurements shared by ``foak bench`` and the scripts in ``benchmarks/``.
+
+GPU timers (CUDA events):
+
+- :func:`event_median_ms`: median of ``reps`` calls, each between two events with a synchronize after it
+  (what the benchmarks called ``timed_ms``); the host's launch time of the call is included.
+- :func:`spin_median_ms`: the same, but a spin kernel keeps the GPU busy before each call so that the whole
+  call is queued before the GPU reaches it: the events time the kernels, not Python's launch overhead
+  (what ``benchmarks/ops.py`` called ``cuda_median_ms``).
+- :func:`graph_ms`: per-call time of ``calls`` calls captured in one CUDA graph and replayed.
+
+Memory: :func:`peak_memory` (torch's allocated / reserved peaks on CUDA, the process's max RSS on CPU),
+:class:`SmiSampler` (nvidia-smi's view of the GPUs while a block runs, when nvidia-smi exists).
+Environment: :func:`environment` (GPU, driver, package versions, foak's git commit).
+"""
+
+from __future__ import annotations
+
+import datetime
+import importlib.metadata
+import os
+import platform
+import resource
+import shutil
+import statistics
+import subprocess
+import threading
+import time
+from pathlib import Path
+
+import torch
+
+MiB = 2**20
+GiB = 2**30
+SPIN_CYCLES = 20_000_000  # ~10 ms at the H200's 1.98 GHz: longer than any benchmarked call's host issue time
+PACKAGES = ("torch", "triton", "transformers", "peft", "accelerate", "bitsandbytes", "trl", "liger-kernel")
+
+
+# ---- timers ----------------------------------------------------------------------------------------------
+def event_median_ms(fn, reps: int = 10, warmup: int = 3) -> float:
+    """Median CUDA-event time of ``fn()`` in ms over ``reps`` calls after ``warmup`` calls (host launch time
+    included: each call is timed from the moment it starts being issued)."""
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    start = torch.cuda.Event(enable_timing=True)
+    end = torch.cuda.Event(enable_timing=True)
+    times = []
+    for _ in range(reps):
+        start.record()
+        fn()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end))
+    return sorted(times)[len(times) // 2]
+
+
+def spin_median_ms(run, prepare=lambda: (), warmup: int = 10, reps: int = 50, host_times: list | None = None,
+                   spin_cycles: int = SPIN_CYCLES) -> float:
+    """Median GPU time (CUDA events) of ``run(*prepare())``; ``prepare()`` is enqueued outside the events.
+
+    Before each timed call the GPU is kept busy by a spin kernel, so the host has queued the whole call before
+    the GPU reaches it: the events then time the kernels, not Python's launch overhead (which a training step
+    hides behind other layers' GPU work). The host's issue time of each call is appended to ``host_times``
+    (ms) when a list is given."""
+    for _ in range(warmup):
+        run(*prepare())
+    events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(reps)]
+    for start, end in events:
+        args = prepare()
+        torch.cuda._sleep(spin_cycles)
+        start.record()
+        t0 = time.perf_counter()
+        run(*args)
+        if host_times is not None:
+            host_times.append((time.perf_counter() - t0) * 1e3)
+        end.record()
+        torch.cuda.synchronize()  # one call at a time: the spin must cover only that call's issue time
+    return statistics.median(s.elapsed_time(e) for s, e in events)
+
+
+def graph_ms(fn, calls: int = 20, reps: int = 20) -> float:
+    """Per-call time of ``fn`` with the host out of the way: ``calls`` calls captured in a CUDA graph, the
+    replay timed by :func:`event_median_ms`."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(3):
+            fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(calls):
+            fn()
+    ms = event_median_ms(graph.replay, reps=reps, warmup=3) / calls
+    del graph
+    return ms
+
+
+def copy_bandwidth(nbytes: int = 2 * GiB) -> float:
+    """Device copy bandwidth in bytes/s (read + write) of an ``nbytes`` uint8 copy."""
+    src = torch.ones(nbytes, dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    ms = spin_median_ms(lambda: dst.copy_(src), warmup=5, reps=20)
+    return 2 * src.numel() / (ms * 1e-3)
+
+
+class StepTimer:
+    """Per-step wall times of a loop without a host synchronisation per step: on CUDA an event is recorded at
+    each step boundary and read once at the end; on CPU (synchronous) the host clock is read."""
+
+    def __init__(self, device: torch.device | str):
+        self.cuda = torch.device(device).type == "cuda"
+        self.marks: list = []
+
+    def mark(self) -> None:
+        if self.cuda:
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+            self.marks.append(event)
+        else:
+            self.marks.append(time.perf_counter())
+
+    def step_ms(self) -> list[float]:
+        """Milliseconds between consecutive marks (synchronizes once on CUDA)."""
+        if self.cuda:
+            torch.cuda.synchronize()
+            return [a.elapsed_time(b) for a, b in zip(self.marks, self.marks[1:])]
+        return [(b - a) * 1e3 for a, b in zip(self.marks, self.marks[1:])]
+
+
+def relative_spread(values) -> float:
+    """(max - min) / median of ``values`` (0 for fewer than two): a run's noise band."""
+    values = [float(v) for v in values]
+    if len(values) < 2:
+        return 0.0
+    median = statistics.median(values)
+    return (max(values) - min(values)) / median if median else 0.0
+
+
+# ---- memory ----------------------------------------------------------------------------------------------
+def reset_peak_memory(device: torch.device | str) -> None:
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+
+
+def peak_memory(device: torch.device | str) -> dict:
+    """Peaks since the last :func:`reset_peak_memory`: on CUDA torch's max allocated and reserved (GiB); on CPU
+    the process's max resident set (GiB, over the whole process life: the OS keeps no resettable peak)."""
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize()
+        return {"peak_allocated_gib": torch.cuda.max_memory_allocated() / GiB,
+                "peak_reserved_gib": torch.cuda.max_memory_reserved() / GiB, "peak_rss_gib": _max_rss_gib()}
+    return {"peak_allocated_gib": None, "peak_reserved_gib": None, "peak_rss_gib": _max_rss_gib()}
+
+
+def _max_rss_gib() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / GiB  # ru_maxrss is in KiB on Linux
+
+
+def peak_extra_mib(fn, device: torch.device | str = "cuda") -> tuple[float, object]:
+    """(peak memory allocated while ``fn()`` runs beyond what was allocated before it, in MiB; fn's result).
+    The result is returned so that the caller decides when what it holds is freed."""
+    torch.cuda.synchronize(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    base = torch.cuda.memory_allocated(device)
+    result = fn()
+    torch.cuda.synchronize(device)
+    return (torch.cuda.max_memory_allocated(device) - base) / MiB, result
+
+
+def nvidia_smi(*fields: str, index: int | None = None) -> list[list[str]] | None:
+    """``nvidia-smi --query-gpu=FIELDS`` as rows of strings (one per GPU, or GPU ``index``); None without
+    nvidia-smi or when it fails."""
+    exe = shutil.which("nvidia-smi")
+    if exe is None:
+        return None
+    cmd = [exe, f"--query-gpu={','.join(fields)}", "--format=csv,noheader,nounits"]
+    if index is not None:
+        cmd.append(f"--id={index}")
+    try:
+        out = subprocess.run(cmd, capture_output=True, text=True, timeout=10, check=True).stdout
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return [[cell.strip() for cell in line.split(",")] for line in out.strip().splitlines() if line.strip()]
+
+
+class SmiSampler:
+    """Polls nvidia-smi (memory used, utilization) for one GPU every ``interval`` s in a thread while the
+    ``with`` block runs: ``peak_used_mib`` (the device's whole memory in use, other processes and the CUDA
+    context included) and ``mean_utilization`` (percent). Both None without nvidia-smi or a CUDA device."""
+
+    def __init__(self, device: torch.device | str, interval: float = 0.2):
+        device = torch.device(device)
+        self.index = None
+        if device.type == "cuda" and shutil.which("nvidia-smi"):
+            self.index = _physical_index(device.index if device.index is not None else torch.cuda.current_device())
+        self.interval = interval
+        self.used: list[float] = []
+        self.util: list[float] = []
+        self._stop = threading.Event()
+        self._thread = None
+
+    def _poll(self):
+        while not self._stop.is_set():
+            rows = nvidia_smi("memory.used", "utilization.gpu", index=self.index)
+            if rows:
+                try:
+                    self.used.append(float(rows[0][0]))
+                    self.util.append(float(rows[0][1]))
+                except (ValueError, IndexError):
+                    pass
+            self._stop.wait(self.interval)
+
+    def __enter__(self):
+        if self.index is not None:
+            self._thread = threading.Thread(target=self._poll, daemon=True)
+            self._thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        if self._thread is not None:
+            self._stop.set()
+            self._thread.join(timeout=15)
+
+    @property
+    def peak_used_mib(self) -> float | None:
+        return max(self.used) if self.used else None
+
+    @property
+    def mean_utilization(self) -> float | None:
+        return sum(self.util) / len(self.util) if self.util else None
+
+
+def _physical_index(logical: int) -> int:
+    """nvidia-smi numbers GPUs physically; CUDA_VISIBLE_DEVICES renumbers them for torch."""
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if visible:
+        ids = [v.strip() for v in visible.split(",") if v.strip()]
+        if logical < len(ids) and ids[logical].isdigit():
+            return int(ids[logical])
+    return logical
+
+
+# ---- environment -----------------------------------------------------------------------------------------
+def package_version(dist: str) -> str | None:
+    try:
+        return importlib.metadata.version(dist)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def git_commit(path: str | os.PathLike | None = None) -> str | None:
+    """The commit of the git checkout holding ``path`` (default: foak's own source), with ``-dirty`` when
+    tracked files differ from it; None outside a checkout or without git."""
+    where = Path(path) if path is not None else Path(__file__).resolve().parent
+    if shutil.which("git") is None:
+        return None
+    try:
+        commit = subprocess.run(["git", "-C", str(where), "rev-parse", "HEAD"], capture_output=True, text=True,
+                                timeout=10, check=True).stdout.strip()
+        dirty = subprocess.run(["git", "-C", str(where), "status", "--porcelain", "--untracked-files=no"],
+                               capture_output=True, text=True, timeout=10, check=True).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return commit + ("-dirty" if dirty else "") if commit else None
+
+
+def environment(init_cuda: bool = True) -> dict:
+    """Where a measurement ran: date, host's Python, GPU name/count/driver/CUDA (or 'cpu'), the versions of
+    torch, triton, transformers, peft, accelerate, bitsandbytes, trl, liger-kernel (None when not installed),
+    foak's version and git commit. ``init_cuda=False``: GPU facts from nvidia-smi only, so that this process
+    creates no CUDA context (``foak bench``'s runner, whose experiments run in other processes)."""
+    import foak
+
+    env = {"date_utc": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+           "python": platform.python_version(), "platform": platform.platform()}
+    if torch.cuda.is_available():
+        rows = nvidia_smi("name", "driver_version", "memory.total", index=_physical_index(0))
+        env["gpu"] = rows[0][0] if rows else (torch.cuda.get_device_name(0) if init_cuda else "cuda")
+        env["gpu_count"] = torch.cuda.device_count()
+        env["cuda"] = torch.version.cuda
+        env["driver"] = rows[0][1] if rows else None
+        env["gpu_memory_mib"] = float(rows[0][2]) if rows else (
+            torch.cuda.get_device_properties(0).total_memory / MiB if init_cuda else None)
+    else:
+        env.update(gpu="cpu", gpu_count=0, cuda=None, driver=None, gpu_memory_mib=None)
+    for dist in PACKAGES:
+        env[dist.replace("-", "_")] = package_version(dist)
+    env["torch"] = torch.__version__
+    env["foak"] = foak.__version__
+    env["foak_commit"] = git_commit()
+    return env

@@ -1,0 +1,213 @@
+"""foak bench: scenario validation and expansion, a real CPU run of the bundled smoke scenario (with an
+experiment that gets SIGKILLed in the middle), the report files, and foak bench compare's exit codes."""
+
+from __future__ import annotations
+
+import csv
+import json
+import math
+from pathlib import Path
+
+import pytest
+import yaml
+
+from foak.bench.report import compare, read_csv
+from foak.bench.scenario import bundled_scenarios, expand, load_scenario, parse_scenario
+from foak.cli import main as cli_main
+
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+
+def _error(data) -> str:
+    with pytest.raises(ValueError) as err:
+        parse_scenario(data, "scenario file 's.yaml'")
+    return str(err.value)
+
+
+def test_validation_errors_name_the_bad_key():
+    base = {"name": "s", "frameworks": ["none", "foak"]}
+    msg = _error({**base, "sweeps": [{"model": "tiny"}, {"model": "tiny", "batch_sise": 4}]})
+    assert msg.startswith("scenario file 's.yaml': sweeps[1].batch_sise: unknown key; did you mean 'batch_size'?")
+    msg = _error({**base, "sweeps": [{"model": "tiny", "batch_size": [2, "four"]}]})
+    assert "sweeps[0].batch_size[1]: expected a positive integer, got str 'four'" in msg
+    msg = _error({**base, "defaults": {"precision": "bf17"}, "sweeps": [{"model": "tiny"}]})
+    assert "defaults.precision: expected one of bf16, fp32, bf16-autocast, fp16-autocast, got str 'bf17'" in msg
+    msg = _error({**base, "sweeps": [{"model": "tiny", "packing": "yes"}]})
+    assert "sweeps[0].packing: expected a boolean (true or false), got str 'yes'" in msg
+    msg = _error({**base, "sweeps": [{"model": "tiny", "gpus": 0}]})
+    assert "sweeps[0].gpus: must be positive, got 0" in msg
+    msg = _error({"name": "s", "framworks": ["none"]})
+    assert "framworks: unknown key; did you mean 'frameworks'?" in msg
+    msg = _error({**base, "models": {"mine": {"pth": "./x"}}, "sweeps": [{"model": "mine"}]})
+    assert "models.mine.pth: unknown key; did you mean 'path'?" in msg
+    msg = _error({**base, "sweeps": [{"model": "llama1bb"}]})
+    assert "sweeps[0].model: unknown model 'llama1bb'; did you mean 'llama1b'?" in msg
+    msg = _error({"name": "s", "frameworks": ["none", "lgier"], "sweeps": [{"model": "tiny"}]})
+    assert "frameworks[1]: framework 'lgier': give its kind" in msg
+    msg = _error({"name": "s", "frameworks": ["none", {"name": "f", "kind": "foak", "switches": {"fast_rms": True}}]})
+    assert "unknown switch 'fast_rms'; did you mean" in msg and "'f'" in msg
+    msg = _error({**base, "baseline": "liger", "sweeps": [{"model": "tiny"}]})
+    assert "baseline: 'liger' is not one of the frameworks (none, foak)" in msg
+
+
+def test_validation_error_through_the_cli(tmp_path, capsys):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("name: bad\nframeworks: [none]\nsweeps:\n  - {model: tiny, seq_lenght: 32}\n")
+    assert cli_main(["bench", str(bad), "--dry-run"]) == 2
+    err = capsys.readouterr().err
+    assert "foak bench: error:" in err and "sweeps[0].seq_lenght: unknown key; did you mean 'seq_length'?" in err
+    assert cli_main(["bench", str(tmp_path / "missing.yaml")]) == 2
+    assert "bundled: " in capsys.readouterr().err
+
+
+def test_expansion_and_bundled_scenarios():
+    scenario = parse_scenario({
+        "name": "m", "frameworks": ["none", "liger", "foak"],
+        "defaults": {"precision": "bf16", "timed_steps": 8},
+        "sweeps": [{"model": "llama1b", "packing": [False, True]},
+                   {"model": "llama8b-8l", "peft": ["lora", "qlora-nf4"], "lora_r": [8, 16], "frameworks": ["foak"]}]})
+    ids = [e["experiment"] for e in expand(scenario)]
+    assert len(ids) == 2 * 3 + 4 and len(set(ids)) == len(ids)
+    assert ids[:3] == ["llama1b/b4xs4096/bf16/none", "llama1b/b4xs4096/bf16/liger", "llama1b/b4xs4096/bf16/foak"]
+    assert ids[3] == "llama1b/b4xs4096/bf16/packed/none"
+    assert ids[6:] == ["llama8b-8l/lora/b2xs4096/bf16/lora_r=8/foak", "llama8b-8l/lora/b2xs4096/bf16/foak",
+                       "llama8b-8l/qlora-nf4/b2xs4096/bf16/lora_r=8/foak", "llama8b-8l/qlora-nf4/b2xs4096/bf16/foak"]
+    with pytest.raises(ValueError, match=r"sweeps\[1\] repeats experiment llama1b/b4xs4096/bf16/none"):
+        expand(parse_scenario({"name": "d", "frameworks": ["none"], "sweeps": [{"model": "llama1b"}] * 2}))
+    bundled = bundled_scenarios()
+    assert {"headline", "peft", "moe", "smoke"} <= set(bundled)
+    counts = {name: len(expand(load_scenario(name))) for name in bundled}
+    assert counts["headline"] == 15 and counts["smoke"] == 2  # the README table's 5 rows x 3 frameworks
+    headline = [e["experiment"] for e in expand(load_scenario("headline"))]
+    assert "llama8b-8l/b2xs4096/bf16/ckpt/foak" in headline and "llama1b/b4xs4096/bf16/packed/liger" in headline
+
+
+CRASH_MODULE = '''
+import os, signal
+
+def kill(model, experiment):  # what the kernel's OOM killer does to a process
+    os.kill(os.getpid(), signal.SIGKILL)
+'''
+
+
+def _rows(path: Path) -> list[dict]:
+    with open(path, newline="") as f:
+        return list(csv.DictReader(f))
+
+
+def test_smoke_scenario_end_to_end(tmp_path, capsys):
+    """The bundled smoke scenario run for real on CPU (tiny Llama, HF vs foak, 4 steps each, each in its own
+    process), with an experiment between the two that is SIGKILLed: recorded, and the next one still runs."""
+    (tmp_path / "bench_crash_helper.py").write_text(CRASH_MODULE)
+    data = yaml.safe_load(bundled_scenarios()["smoke"].read_text())
+    assert data["frameworks"] == ["none", "foak"]
+    data["frameworks"] = ["none", {"name": "crash", "kind": "python", "callable": "bench_crash_helper:kill",
+                                   "env": {"PYTHONPATH": str(tmp_path)}}, "foak"]
+    scenario_file = tmp_path / "smoke_with_crash.yaml"
+    scenario_file.write_text(yaml.safe_dump(data))
+    out = tmp_path / "out"
+    assert cli_main(["bench", str(scenario_file), "--out", str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert "[2/3]" in printed and "killed (SIGKILL" in printed
+
+    rows = _rows(out / "results.csv")
+    assert [r["framework"] for r in rows] == ["none", "crash", "foak"]
+    assert [r["status"] for r in rows] == ["ok", "killed", "ok"]
+    assert "SIGKILL" in rows[1]["error"]
+    for r in (rows[0], rows[2]):
+        assert float(r["tokens_per_s"]) > 0 and float(r["step_ms"]) > 0 and float(r["first_step_s"]) > 0
+        assert float(r["peak_rss_gib"]) > 0.05 and r["peak_allocated_gib"] == ""  # CPU: no torch CUDA peaks
+        assert int(r["tokens_per_step"]) == 2 * 32 and r["device_name"] == "cpu"
+        # the throughput is the timed steps' tokens over their time
+        assert math.isclose(float(r["tokens_per_s"]) * float(r["step_ms"]) / 1e3, 64, rel_tol=1e-3)
+    report = json.loads((out / "results.json").read_text())
+    env = report["environment"]
+    for key in ("gpu", "driver", "torch", "triton", "transformers", "foak", "foak_commit", "date_utc"):
+        assert key in env
+    assert env["torch"] and env["triton"] and env["transformers"] and env["foak"]
+    ok = [r for r in report["results"] if r["status"] == "ok"]
+    for r in ok:
+        assert len(r["losses"]) == 1 + 3 and all(math.isfinite(x) for x in r["losses"])
+        assert len(r["step_times_ms"]) == 3
+    # same weights, same batches: foak's reference ops give the unpatched model's losses
+    hf, fo = ok[0]["losses"], ok[1]["losses"]
+    assert abs(hf[0] - math.log(301)) < 0.5  # random tokens over a 301-token vocabulary
+    assert max(abs(a - b) for a, b in zip(hf, fo)) < 1e-4
+    assert "llama.fused_linear_loss" in ok[1]["patch_report"]
+    for name in ("throughput.png", "memory.png", "loss.png"):
+        blob = (out / name).read_bytes()
+        assert blob[:8] == PNG_MAGIC and len(blob) > 5000
+    summary = (out / "summary.md").read_text()
+    assert "| experiment | none tokens/s · peak GiB | crash tokens/s · peak GiB | foak tokens/s" in summary
+    assert "killed" in summary and "x, " in summary
+
+    # compare: the run against itself passes, against a doctored reference (foak 1.5x faster there) fails
+    results = str(out / "results.csv")
+    assert cli_main(["bench", "compare", results, results]) == 0
+    assert "0 regression(s)" in capsys.readouterr().out
+    doctored = tmp_path / "ref.csv"
+    fieldnames = list(rows[0])
+    for r in rows:
+        if r["framework"] == "foak":
+            r["tokens_per_s"] = str(float(r["tokens_per_s"]) * 1.5)
+    with open(doctored, "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=fieldnames)
+        writer.writeheader()
+        writer.writerows(rows)
+    assert cli_main(["bench", "compare", results, str(doctored)]) == 1
+    text = capsys.readouterr().out
+    assert "| tokens_per_s |" in text and "-33.3% | 10.0% | REGRESSION |" in text
+    assert "1 regression(s) beyond 10%" in text
+    assert cli_main(["bench", "compare", results, str(doctored), "--threshold", "0.4"]) == 0
+
+
+def _write(path: Path, rows: list[dict]) -> str:
+    with open(path, "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=list(rows[0]))
+        writer.writeheader()
+        writer.writerows(rows)
+    return str(path)
+
+
+def test_compare_rules(tmp_path):
+    def row(exp, status="ok", tps=1000.0, mem=10.0, noise=0.02, loss=2.0):
+        return {"experiment": exp, "status": status, "error": "" if status == "ok" else "boom",
+                "tokens_per_s": tps, "tokens_per_s_noise": noise, "step_ms": 1e6 / tps, "step_ms_noise": noise,
+                "peak_allocated_gib": mem, "peak_reserved_gib": mem + 1, "final_loss": loss}
+
+    ref = _write(tmp_path / "ref.csv", [row("a"), row("b"), row("c"), row("d", status="failed")])
+    # a: 5% slower (within 10%); b: 15% more memory; c: failed now; d failed in the reference too (ignored)
+    new = _write(tmp_path / "new.csv", [row("a", tps=950.0), row("b", mem=11.5), row("c", status="oom"),
+                                        row("d", status="failed"), row("e")])
+    lines, regressions = compare(new, ref)
+    assert regressions == 3  # b's allocated and reserved peaks, c's status
+    text = "\n".join(lines)
+    assert "| b | peak_allocated_gib | 10 | 11.5 | +15.0% | 10.0% | REGRESSION |" in text
+    assert "| c | status | ok | oom: boom |" in text and "| e | | (not in the reference) | ok |" in text
+    assert "| a | tokens_per_s | 1000 | 950 | -5.0% | 10.0% | ok |" in text
+    # with the reference's noise band (2%) a's 5% slowdown regresses (tokens/s and step time)
+    lines, regressions = compare(new, ref, noise_band=True, metrics=("tokens_per_s", "step_ms"))
+    assert regressions == 2 + 1 and "| a | tokens_per_s | 1000 | 950 | -5.0% | 2.0% | REGRESSION |" in "\n".join(lines)
+    # a missing experiment is a regression; a reference sharing nothing is a usage error
+    _, regressions = compare(_write(tmp_path / "part.csv", [row("a")]), ref)
+    assert regressions == 2
+    with pytest.raises(ValueError, match="share no experiment"):
+        compare(_write(tmp_path / "other.csv", [row("z")]), ref)
+    with pytest.raises(ValueError, match="unknown metric 'tokens'"):
+        compare(new, ref, metrics=("tokens",))
+    assert read_csv(ref)[0]["experiment"] == "a"
+
+
+def test_unavailable_framework_is_a_skipped_row(tmp_path):
+    """A framework whose required module is missing runs nothing and is recorded as skipped."""
+    from foak.bench.runner import run_scenario
+
+    scenario = parse_scenario({"name": "skip", "frameworks": [
+        {"name": "peer", "kind": "python", "callable": "no_such_peer_foak_test:apply",
+         "requires": ["no_such_peer_foak_test"]}], "sweeps": [{"model": "tiny"}]})
+    lines = []
+    done = run_scenario(scenario, tmp_path, echo=lines.append)
+    (row,) = done["results"]
+    assert row["status"] == "skipped" and "no_such_peer_foak_test is not installed" in row["error"]
+    assert not (tmp_path / "logs").exists()  # no process was started
+    assert _rows(tmp_path / "results.csv")[0]["status"] == "skipped"
