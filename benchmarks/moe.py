@@ -33,9 +33,8 @@ if SMOKE:
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from real_world import timed_ms  # noqa: E402
+from foak.bench.measure import event_median_ms as timed_ms  # noqa: E402  (CUDA-event median)
+from foak.bench.measure import install_interpreter_compat  # noqa: E402
 
 SHAPES = {"mixtral": dict(T=8192, E=8, k=2, H=4096, I=14336), "qwen3_moe": dict(T=16384, E=128, k=8, H=2048, I=768)}
 MEDIUM = dict(T=1024, E=8, k=2, H=1024, I=2048)
@@ -110,8 +109,19 @@ def router_ms(shape, device):
         logits = torch.nn.functional.linear(x, router.weight)
         logits.backward(dl)
 
-    return {"router_fwd_bwd_ms": timed_ms(full, reps=20, warmup=3), "logits_gemm_fwd_bwd_ms": timed_ms(gemm, reps=20,
-                                                                                                        warmup=3)}
+    from foak.ops.moe_router import moe_route
+
+    def foak_router():
+        logits = torch.nn.functional.linear(x, router.weight)
+        scores, _ = moe_route(logits, shape["k"], True)
+        torch.autograd.backward((scores, logits), (dw, dl))
+
+    logits = torch.nn.functional.linear(x, router.weight).detach()
+    ours, ref = moe_route(logits, shape["k"], True)[0], router(x)[1].detach()
+    return {"router_fwd_bwd_ms": timed_ms(full, reps=20, warmup=3),
+            "logits_gemm_fwd_bwd_ms": timed_ms(gemm, reps=20, warmup=3),
+            "foak_router_fwd_bwd_ms": timed_ms(foak_router, reps=20, warmup=3),
+            "foak_vs_hf_weights_max_abs": (ours - ref).abs().max().item()}
 
 
 def parts(shape, device):
@@ -201,10 +211,7 @@ def main() -> int:
     parser.add_argument("--out", default=os.environ.get("OUT", "out"))
     args = parser.parse_args()
     if SMOKE:
-        sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-        import triton_interpreter_compat
-
-        triton_interpreter_compat.install()
+        install_interpreter_compat()  # bf16 in the interpreter (the tests' layer)
     elif not torch.cuda.is_available():
         print("no CUDA device: run with --cpu-smoke", file=sys.stderr)
         return 2
