@@ -124,7 +124,8 @@ def test_foak_patch_without_a_config_enables_every_switch_for_the_model():
     batch = fixed_batch(model.config.vocab_size)
     expected = model(**batch).loss
     report = foak.patch(model)
-    assert {r.switch for r in report.results if r.modules} == {"rms_norm", "rope", "swiglu", "fused_linear_loss"}
+    assert {r.switch for r in report.results if r.modules} == {"rms_norm", "rope", "swiglu", "fused_linear_loss",
+                                                               "packed_attention"}
     assert abs(model(**batch).loss - expected) <= 1e-5 * expected  # the kernels, in the interpreter
     # a PEFT model: the peft stanza, fused_lora included
     lora = peft.get_peft_model(tiny_model("llama"), peft.LoraConfig(r=2, target_modules=["q_proj", "v_proj"]))
@@ -132,10 +133,11 @@ def test_foak_patch_without_a_config_enables_every_switch_for_the_model():
     assert cfg.mode == "peft" and cfg.fused_lora and cfg.fused_linear_loss and not cfg.fast_loss
     # what the architecture has: GPTBigCode only the loss; a head behind a logit softcap takes fast_loss
     assert default_config(tiny_model("gpt_bigcode")).enabled_rules() == {"fused_linear_loss"}
-    assert default_config(tiny_model("mixtral")).enabled_rules() == {"rms_norm", "rope", "moe", "fused_linear_loss"}
+    assert default_config(tiny_model("mixtral")).enabled_rules() == {"rms_norm", "rope", "moe", "fused_linear_loss",
+                                                                     "packed_attention"}
     capped = tiny_model("llama")
     capped.config.final_logit_softcapping = 30.0
-    assert default_config(capped).enabled_rules() == {"rms_norm", "rope", "swiglu", "loss"}
+    assert default_config(capped).enabled_rules() == {"rms_norm", "rope", "swiglu", "loss", "packed_attention"}
     with pytest.raises(ValueError, match="no rules for model_type 'gpt2'"):
         foak.patch(transformers.GPT2LMHeadModel(transformers.GPT2Config(n_embd=16, n_layer=1, n_head=2)))
 

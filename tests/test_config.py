@@ -23,6 +23,7 @@ SWITCHES = [
     "fused_linear_loss",
     "fused_lora",
     "fast_moe",
+    "fast_packed_attention",
 ]
 
 
@@ -268,6 +269,7 @@ def test_switch_to_rule_mapping():
         "fused_linear_loss": "fused_linear_loss",
         "fused_lora": "lora",
         "fast_moe": "moe",
+        "fast_packed_attention": "packed_attention",
     }
 
 
@@ -279,9 +281,9 @@ def test_each_switch_enables_exactly_its_rule(switch):
 
 def test_all_rules_enabled():
     cfg = config_from_kwargs(mode="peft", base_layer="gptq", **{s: True for s in SWITCHES if s != "fast_loss"})
-    assert cfg.enabled_rules() == {"rms_norm", "rope", "swiglu", "fused_linear_loss", "lora", "moe"}
+    assert cfg.enabled_rules() == {"rms_norm", "rope", "swiglu", "fused_linear_loss", "lora", "moe", "packed_attention"}
     cfg = config_from_kwargs(mode="peft", **{s: True for s in SWITCHES if s != "fused_linear_loss"})
-    assert cfg.enabled_rules() == {"rms_norm", "rope", "swiglu", "loss", "lora", "moe"}
+    assert cfg.enabled_rules() == {"rms_norm", "rope", "swiglu", "loss", "lora", "moe", "packed_attention"}
 
 
 def test_base_layer_is_not_a_rule():

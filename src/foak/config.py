@@ -58,6 +58,7 @@ SWITCH_TO_RULE = {
     "fused_linear_loss": "fused_linear_loss",
     "fused_lora": "lora",
     "fast_moe": "moe",
+    "fast_packed_attention": "packed_attention",
 }
 
 # The YAML tree above the switches: every valid key at every level (a stanza is a leaf here).
@@ -90,6 +91,9 @@ class AccelerationConfig(BaseModel):
     fused_linear_loss: bool = False  # LM head + loss, never materialises the logits
     fused_lora: bool = False
     fast_moe: bool = False
+    # packed batches (position_ids restarting, no attention_mask) attend per sequence through foak's
+    # varlen attention; unpacked batches run the previous attention implementation unchanged
+    fast_packed_attention: bool = False
     base_layer: Literal["none", "bitsandbytes", "gptq"] = "none"
 
     @model_validator(mode="before")

@@ -13,7 +13,8 @@ NOT_IMPLEMENTED: dict[str, str] = {}
 
 def default_config(model):
     """The AccelerationConfig of every switch foak has for ``model``'s architecture: ``fast_rms_layernorm``,
-    ``fast_rope_embeddings``, ``fast_swiglu``, ``fast_moe`` where the architecture has rules for them,
+    ``fast_rope_embeddings``, ``fast_swiglu``, ``fast_moe``, ``fast_packed_attention`` (acts on packed batches
+    only) where the architecture has rules for them,
     ``fused_linear_loss`` (``fast_loss`` instead where the fused head cannot apply, e.g. a final logit
     softcap), and ``fused_lora`` on a PEFT model (the ``peft`` stanza then; the ``training`` one otherwise).
     Not included: ``fast_loss`` next to ``fused_linear_loss`` (they exclude each other) and switches in

@@ -389,4 +389,7 @@ def decoder_rules(arch: str, modeling, prefix: str, gated_mlp: bool = True) -> l
              rope_rule(arch, getattr(modeling, f"{prefix}Attention"))]
     if gated_mlp:
         rules.append(glu_mlp_rule(arch, getattr(modeling, f"{prefix}MLP")))
-    return rules + causal_lm_rules(arch, getattr(modeling, f"{prefix}ForCausalLM"))
+    from foak.patching.packed_attention import packed_attention_rule  # its stack wrapper goes around the others
+
+    return [*rules, *causal_lm_rules(arch, getattr(modeling, f"{prefix}ForCausalLM")),
+            packed_attention_rule(arch, getattr(modeling, f"{prefix}Model"))]

@@ -78,9 +78,10 @@ RULE_KINDS = ("forward", "implementation")
 @dataclass(frozen=True)
 class Rule:
     """``id`` is stable (``llama.rms_norm``); ``switch`` is the config switch that enables it (see
-    foak.config: rms_norm, rope, swiglu, loss, fused_linear_loss, lora, moe). ``patch(module, model, state)``
-    returns, for ``kind="forward"``, the new forward of ``module``; for ``kind="implementation"``, the
-    :class:`Selection` that makes the module run foak's implementation; for either, :class:`Skip` to leave
+    foak.config: rms_norm, rope, swiglu, loss, fused_linear_loss, lora, moe, packed_attention).
+    ``patch(module, model, state)`` returns, for ``kind="forward"``, the new forward of ``module``; for
+    ``kind="implementation"``, the :class:`Selection` that makes the module run foak's implementation (it may
+    also replace forwards through ``state.set_forward``); for either, :class:`Skip` to leave
     this module alone (with the reason). ``skip_reason(model)`` may explain why the rule does not apply to
     this model (reported, never silent). ``state.result`` is the rule's report row while ``patch`` runs: a
     replacement that keeps it can report what happens at call time with ``note_runtime``.

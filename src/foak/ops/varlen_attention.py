@@ -1,0 +1,330 @@
+"""Causal attention over packed sequences ("varlen"): one call for a batch whose rows hold several
+sequences, each attending only to itself, without a dense [S, S] mask and without repeating K/V for GQA.
+
+foak writes no attention kernel here: each backend is an attention implementation torch ships, reached
+through its own entry point, and this module only derives the sequence boundaries and holds the autograd glue.
+
+- ``flash``: ``torch.ops.aten._flash_attention_forward`` / ``_flash_attention_backward`` with cumulative
+  sequence lengths (the FlashAttention-2 kernels vendored in torch; the same entry point torch's SDPA flash
+  path and ``torch.nn.attention.varlen`` use). K/V keep their own head count (the kernel maps each query
+  head to its K/V head), a sliding window is the kernel's ``window_size_left``. CUDA, fp16/bf16, head dim
+  <= 256.
+- ``varlen_attn``: ``torch.nn.attention.varlen.varlen_attn`` (public, prototype; its keyword arguments have
+  changed between torch releases, so they are read from its signature).
+- ``flex``: FlexAttention with a document mask (``create_block_mask`` once per batch and window, kept on
+  the :class:`PackedSequences`), compiled on CUDA. torch has no FlexAttention backward on the CPU.
+- ``sdpa``: ``F.scaled_dot_product_attention`` once per sequence (``is_causal``; an explicit band mask for a
+  sequence longer than the window; ``enable_gqa``). Any device and dtype: the CPU path and the fallback for
+  fp32 on CUDA.
+
+``auto`` (the default, or ``FOAK_PACKED_ATTENTION`` / :func:`set_backend`): ``flash`` for fp16/bf16 CUDA
+tensors with a head dim it takes, ``sdpa`` otherwise. A forced backend that cannot serve a call is a
+ValueError, never a silent switch. :func:`varlen_attention_reference` is the explicit fp32/fp64 math the
+tests compare every backend with.
+
+Sequences are found as transformers finds them (``masking_utils.find_packed_sequence_indices``): a new
+sequence starts at each row start and wherever a position id is not the previous one plus 1.
+"""
+
+from __future__ import annotations
+
+import inspect
+import math
+import os
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+
+BACKENDS = ("auto", "flash", "varlen_attn", "flex", "sdpa")
+_forced: str | None = None
+
+
+def set_backend(name: str | None) -> None:
+    """Force one backend for every packed attention call; ``"auto"`` or ``None`` restores the default."""
+    global _forced
+    if name is not None and name not in BACKENDS:
+        raise ValueError(f"unknown packed-attention backend {name!r}; expected one of {BACKENDS}")
+    _forced = None if name in (None, "auto") else name
+
+
+def get_backend() -> str:
+    """The setting: :func:`set_backend`'s value, else ``FOAK_PACKED_ATTENTION``, else ``"auto"``."""
+    if _forced is not None:
+        return _forced
+    name = os.environ.get("FOAK_PACKED_ATTENTION", "auto") or "auto"
+    if name not in BACKENDS:
+        raise ValueError(f"FOAK_PACKED_ATTENTION={name!r} is not valid; expected one of {BACKENDS}")
+    return name
+
+
+def policy() -> str:
+    """The setting in words, for the patch report."""
+    name = get_backend()
+    if name == "auto":
+        return "auto: flash (fp16/bf16 on CUDA), per-sequence sdpa otherwise"
+    return f"{name} (forced)"
+
+
+# ---- sequence boundaries --------------------------------------------------------------------------------
+
+
+@dataclass(eq=False)
+class PackedSequences:
+    """The sequences of a packed [batch, seq_len] batch, flattened to ``batch * seq_len`` tokens in row
+    order: ``cu_seqlens`` (int32, on the tokens' device) holds the N + 1 boundaries, ``lengths`` and
+    ``max_seqlen`` the same on the host (read once per batch)."""
+
+    batch: int
+    seq_len: int
+    cu_seqlens: torch.Tensor
+    lengths: tuple[int, ...]
+    max_seqlen: int
+    _cache: dict = field(default_factory=dict, repr=False)
+
+    @property
+    def total(self) -> int:
+        return self.batch * self.seq_len
+
+    @property
+    def starts(self) -> tuple[int, ...]:
+        starts = self._cache.get("starts")
+        if starts is None:
+            starts = self._cache["starts"] = tuple(int(x) for x in torch.tensor((0, *self.lengths)).cumsum(0)[:-1])
+        return starts
+
+    def document_ids(self) -> torch.Tensor:
+        """Sequence index of each token (int32, [total], on the device), built once."""
+        doc = self._cache.get("doc")
+        if doc is None:
+            n = len(self.lengths)
+            lengths = torch.tensor(self.lengths, device=self.cu_seqlens.device)
+            doc = self._cache["doc"] = torch.repeat_interleave(
+                torch.arange(n, dtype=torch.int32, device=self.cu_seqlens.device), lengths)
+        return doc
+
+
+def packed_sequences(position_ids: torch.Tensor, batch_size: int | None = None) -> PackedSequences | None:
+    """The sequences of a batch from its ``position_ids`` ([batch, seq_len], or [1, seq_len] shared by every
+    row), or None when no row restarts (one sequence per row: not a packed batch). One device-to-host copy of
+    the position ids."""
+    if not isinstance(position_ids, torch.Tensor) or position_ids.dim() != 2 or position_ids.is_floating_point():
+        raise ValueError("packed_sequences: position_ids must be an integer tensor [batch, seq_len], got "
+                         f"{type(position_ids).__name__} {tuple(getattr(position_ids, 'shape', ()))}")
+    rows, seq_len = position_ids.shape
+    batch = rows if batch_size is None else batch_size
+    if rows not in (1, batch):
+        raise ValueError(f"packed_sequences: position_ids has {rows} rows for a batch of {batch}")
+    host = position_ids.detach().to("cpu")
+    restarts = host[:, 1:] - host[:, :-1] != 1
+    if seq_len < 2 or not bool(restarts.any()):
+        return None
+    starts = torch.ones((rows, seq_len), dtype=torch.bool)
+    starts[:, 1:] = restarts
+    if rows != batch:
+        starts = starts.expand(batch, seq_len)
+    flat = starts.reshape(-1).nonzero().flatten()
+    cu = torch.cat([flat, torch.tensor([batch * seq_len])]).to(torch.int32)
+    lengths = tuple(cu.diff().tolist())
+    return PackedSequences(batch, seq_len, cu.to(position_ids.device), lengths, max(lengths))
+
+
+def sequences_from_lengths(lengths, device=None, batch: int = 1) -> PackedSequences:
+    """:class:`PackedSequences` of ``batch`` rows holding sequences of these lengths in order (rows must
+    split at sequence boundaries). For tests and benchmarks."""
+    lengths = tuple(int(n) for n in lengths)
+    if not lengths or min(lengths) < 1:
+        raise ValueError(f"sequences_from_lengths: lengths must be >= 1, got {lengths}")
+    total = sum(lengths)
+    if total % batch:
+        raise ValueError(f"sequences_from_lengths: {total} tokens do not split into {batch} rows")
+    cu = torch.tensor((0, *lengths)).cumsum(0)
+    seq_len = total // batch
+    if any(int(b) * seq_len not in set(cu.tolist()) for b in range(batch)):
+        raise ValueError(f"sequences_from_lengths: a sequence crosses a row boundary (rows of {seq_len})")
+    return PackedSequences(batch, seq_len, cu.to(torch.int32).to(device), lengths, max(lengths))
+
+
+# ---- the reference: explicit math -------------------------------------------------------------------
+
+
+def varlen_attention_reference(q, k, v, seqs: PackedSequences, scale: float | None = None,
+                               window: int | None = None) -> torch.Tensor:
+    """Explicit causal softmax attention per sequence in the inputs' dtype (pass fp32/fp64 copies): scores,
+    a causal (and window) mask, softmax, weighted sum; K/V heads indexed per query head. [T, Hq, D]."""
+    T, Hq, D = q.shape
+    group = Hq // k.shape[1]
+    scale = 1.0 / math.sqrt(D) if scale is None else scale
+    outs = []
+    for start, n in zip(seqs.starts, seqs.lengths):
+        qs = q[start:start + n].transpose(0, 1)  # [Hq, n, D]
+        ks = k[start:start + n].transpose(0, 1).repeat_interleave(group, 0)
+        vs = v[start:start + n].transpose(0, 1).repeat_interleave(group, 0)
+        scores = (qs @ ks.transpose(1, 2)) * scale
+        i = torch.arange(n, device=q.device)
+        allowed = i[:, None] >= i[None, :]
+        if window is not None:
+            allowed &= i[:, None] - i[None, :] < window
+        scores = scores.masked_fill(~allowed, float("-inf"))
+        outs.append((scores.softmax(-1) @ vs).transpose(0, 1))
+    return torch.cat(outs)
+
+
+# ---- backends -----------------------------------------------------------------------------------------
+
+
+def _sdpa_per_sequence(q, k, v, seqs, scale, window):
+    gqa = q.shape[1] != k.shape[1]
+    masks: dict[int, torch.Tensor] = {}
+    outs = []
+    for start, n in zip(seqs.starts, seqs.lengths):
+        qs, ks, vs = (t[start:start + n].transpose(0, 1) for t in (q, k, v))  # [H, n, D]
+        if window is not None and n > window:
+            mask = masks.get(n)
+            if mask is None:
+                i = torch.arange(n, device=q.device)
+                mask = masks[n] = (i[:, None] >= i[None, :]) & (i[:, None] - i[None, :] < window)
+            o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, scale=scale, enable_gqa=gqa)
+        else:
+            o = F.scaled_dot_product_attention(qs, ks, vs, is_causal=n > 1, scale=scale, enable_gqa=gqa)
+        outs.append(o.transpose(0, 1))
+    return torch.cat(outs)
+
+
+class _FlashVarlen(torch.autograd.Function):
+    """aten's FlashAttention-2 varlen forward and backward (GQA and the window inside the kernel)."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, cu, max_seqlen, scale, window_left):
+        out, lse, rng_state, unused, _ = torch.ops.aten._flash_attention_forward(
+            q, k, v, cu, cu, max_seqlen, max_seqlen, 0.0, True, False, scale=scale,
+            window_size_left=window_left, window_size_right=0 if window_left is not None else None)
+        ctx.save_for_backward(q, k, v, out, lse, cu, rng_state, unused)
+        ctx.max_seqlen, ctx.scale, ctx.window_left = max_seqlen, scale, window_left
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        q, k, v, out, lse, cu, rng_state, unused = ctx.saved_tensors
+        window_left = ctx.window_left
+        dq, dk, dv = torch.ops.aten._flash_attention_backward(
+            dout.contiguous(), q, k, v, out, lse, cu, cu, ctx.max_seqlen, ctx.max_seqlen, 0.0, True, rng_state,
+            unused, scale=ctx.scale, window_size_left=window_left,
+            window_size_right=0 if window_left is not None else None)
+        return dq, dk, dv, None, None, None, None
+
+
+def _flash(q, k, v, seqs, scale, window):
+    if scale is None:
+        scale = 1.0 / math.sqrt(q.shape[-1])
+    window_left = None if window is None or window >= seqs.max_seqlen else window - 1
+    return _FlashVarlen.apply(q, k, v, seqs.cu_seqlens, seqs.max_seqlen, scale, window_left)
+
+
+def _varlen_attn(q, k, v, seqs, scale, window):
+    from torch.nn.attention.varlen import varlen_attn
+
+    params = inspect.signature(varlen_attn).parameters
+    kwargs = {"scale": scale}
+    if "window_size" in params:
+        kwargs["window_size"] = (-1 if window is None or window >= seqs.max_seqlen else window - 1, 0)
+    elif window is not None and window < seqs.max_seqlen:
+        raise ValueError("varlen_attention: this torch's varlen_attn takes no window_size (sliding window); use "
+                         "backend 'flash', 'flex' or 'sdpa'")
+    else:
+        kwargs["is_causal"] = True
+    if q.shape[1] != k.shape[1] and "enable_gqa" in params:
+        kwargs["enable_gqa"] = True
+    cu = seqs.cu_seqlens
+    return varlen_attn(q, k, v, cu, cu, seqs.max_seqlen, seqs.max_seqlen, **kwargs)
+
+
+_compiled_flex = None
+
+
+def _flex(q, k, v, seqs, scale, window):
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+    global _compiled_flex
+    if q.requires_grad and q.device.type == "cpu":
+        raise ValueError("varlen_attention: torch has no FlexAttention backward on the CPU; use backend 'sdpa'")
+    key = ("block_mask", window, str(q.device))
+    block_mask = seqs._cache.get(key)
+    if block_mask is None:
+        doc = seqs.document_ids().to(q.device)
+        w = window
+
+        def document_causal(b, h, q_idx, kv_idx):
+            keep = (doc[q_idx] == doc[kv_idx]) & (q_idx >= kv_idx)
+            return keep if w is None else keep & (q_idx - kv_idx < w)
+
+        extra = {"_compile": True} if "_compile" in inspect.signature(create_block_mask).parameters and \
+            q.is_cuda else {}
+        block_mask = seqs._cache[key] = create_block_mask(document_causal, None, None, seqs.total, seqs.total,
+                                                          device=q.device, **extra)
+    fn = flex_attention
+    if q.is_cuda:
+        if _compiled_flex is None:
+            _compiled_flex = torch.compile(flex_attention, dynamic=False)
+        fn = _compiled_flex
+    out = fn(q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None], block_mask=block_mask,
+             scale=scale, enable_gqa=q.shape[1] != k.shape[1])
+    return out[0].transpose(0, 1)
+
+
+_IMPLEMENTATIONS = {"flash": _flash, "varlen_attn": _varlen_attn, "flex": _flex, "sdpa": _sdpa_per_sequence}
+
+
+def _flash_serves(q, v) -> str | None:
+    """None when aten's flash kernel takes these tensors, else why not."""
+    if not q.is_cuda:
+        return f"tensors on {q.device.type} (flash needs CUDA)"
+    if q.dtype not in (torch.float16, torch.bfloat16):
+        return f"{str(q.dtype).removeprefix('torch.')} tensors (flash takes fp16/bf16)"
+    if q.shape[-1] > 256 or q.shape[-1] % 8 or v.shape[-1] != q.shape[-1]:
+        return f"head dim {q.shape[-1]} (flash takes a multiple of 8 up to 256, the same for V)"
+    return None
+
+
+def resolve_backend(q: torch.Tensor, v: torch.Tensor, backend: str | None = None) -> str:
+    """The backend that runs a call on these tensors: ``backend`` (default: :func:`get_backend`) with
+    ``auto`` resolved. A forced backend that cannot take them is a ValueError."""
+    name = get_backend() if backend is None else backend
+    if name not in BACKENDS:
+        raise ValueError(f"unknown packed-attention backend {name!r}; expected one of {BACKENDS}")
+    if name == "auto":
+        return "flash" if _flash_serves(q, v) is None else "sdpa"
+    if name in ("flash", "varlen_attn"):
+        why = _flash_serves(q, v)
+        if why is not None:
+            raise ValueError(f"packed-attention backend {name!r} cannot run {why}; use 'auto' or 'sdpa'")
+    return name
+
+
+def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seqs: PackedSequences, *,
+                     scale: float | None = None, window: int | None = None, backend: str | None = None
+                     ) -> torch.Tensor:
+    """Causal attention of every packed sequence with itself only.
+
+    ``q``: [T, Hq, D]; ``k``, ``v``: [T, Hkv, D] (Hq a multiple of Hkv: GQA, K/V never repeated by foak), T =
+    ``seqs.total`` tokens in row order. ``scale``: default 1/sqrt(D). ``window``: a token attends to itself
+    and the ``window - 1`` before it (transformers' ``sliding_window``), None for none. ``backend``: see the
+    module docstring (default: the setting). Returns [T, Hq, D] in q's dtype; differentiable in q, k, v."""
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, torch.Tensor) or t.dim() != 3 or not t.is_floating_point():
+            raise ValueError(f"varlen_attention: {name} must be a floating tensor [tokens, heads, head_dim], got "
+                             f"{type(t).__name__} {tuple(getattr(t, 'shape', ()))}")
+    if not (q.dtype == k.dtype == v.dtype) or not (q.device == k.device == v.device):
+        raise ValueError(f"varlen_attention: q, k, v must share dtype and device, got {q.dtype}/{k.dtype}/{v.dtype} "
+                         f"on {q.device}/{k.device}/{v.device}")
+    if k.shape[:2] != v.shape[:2] or k.shape[0] != q.shape[0] or q.shape[-1] != k.shape[-1]:
+        raise ValueError(f"varlen_attention: shapes q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)} "
+                         "do not fit (same tokens; k and v the same heads; q and k the same head dim)")
+    if q.shape[1] % k.shape[1]:
+        raise ValueError(f"varlen_attention: {q.shape[1]} query heads are not a multiple of {k.shape[1]} K/V heads")
+    if q.shape[0] != seqs.total:
+        raise ValueError(f"varlen_attention: {q.shape[0]} tokens, but the sequences hold {seqs.total}")
+    if window is not None and (not isinstance(window, int) or window < 1):
+        raise ValueError(f"varlen_attention: window must be a positive int or None, got {window!r}")
+    name = resolve_backend(q, v, backend)
+    return _IMPLEMENTATIONS[name](q, k, v, seqs, scale, window)
