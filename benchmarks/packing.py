@@ -94,9 +94,12 @@ class _CudnnVarlen(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dout):
         q, k, v, out, lse, cu, seed, offset = ctx.saved_tensors
+        # (grad_out, q, k, v, out, logsumexp, philox_seed, philox_offset, attn_bias, cum_seq_q, cum_seq_k, max_q,
+        # max_k, dropout_p, is_causal, *, scale): aten's schema (torch 2.13's varlen.py calls it otherwise, on a
+        # path it never takes)
         dq, dk, dv = torch.ops.aten._cudnn_attention_backward(
-            dout.contiguous(), q, k, v, out, lse, cu, cu, ctx.max_seqlen, ctx.max_seqlen, 0.0, True, seed, offset,
-            scale=ctx.scale)
+            dout.contiguous(), q, k, v, out, lse, seed, offset, None, cu, cu, ctx.max_seqlen, ctx.max_seqlen, 0.0,
+            True, scale=ctx.scale)
         return dq, dk, dv, None, None, None
 
 

@@ -259,8 +259,8 @@ def foak_attention_mask(**kwargs):
     entry = _entry_of(config)
     current = _CURRENT.forward
     if (entry is not None and current is not None and current.config is config and current.seqs is not None
-            and kwargs.get("attention_mask") is None and kwargs.get("q_length") == current.seqs.seq_len
-            and kwargs.get("kv_length") == current.seqs.seq_len):
+            and kwargs.get("attention_mask") is None and kwargs.get("batch_size") == current.seqs.batch
+            and kwargs.get("q_length") == current.seqs.seq_len == kwargs.get("kv_length")):
         return None
     previous = entry.previous if entry is not None else "sdpa"
     return _hf()[1][previous](**kwargs)
