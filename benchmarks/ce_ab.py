@@ -3,7 +3,7 @@ ops/cross_entropy.py loaded from a file (e.g. the one before a change), fwd+bwd 
 
     python3 benchmarks/ce_ab.py OLD_FILE.py [MORE.py ...] [--out DIR]   # their custom ops renamed (no clash)
 
-Timing: CUDA events around each call after a spin kernel (benchmarks/ops.py's cuda_median_ms), passes
+Timing: CUDA events around each call after a spin kernel (foak.bench.measure.spin_median_ms), passes
 alternate A, B, A, B so that drift hits both; medians printed and written to DIR/ce_ab_h200.json.
 """
 
@@ -17,14 +17,11 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
 
 def main() -> int:
-    from ops import cuda_median_ms
-
     import foak
+    from foak.bench.measure import spin_median_ms as cuda_median_ms
 
     parser = argparse.ArgumentParser()
     parser.add_argument("files", nargs="+", help="other versions of ops/cross_entropy.py")

@@ -20,8 +20,6 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
-
 import foak  # noqa: E402
 from foak.data import DEFAULT_CHARS, char_tokenizer  # noqa: E402
 

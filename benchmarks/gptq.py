@@ -9,8 +9,8 @@ bf16 weights N(0, 0.02) quantized by foak's round-to-nearest quantizer (4-bit, g
 v1 zeros), once with plain groups and once with act-order (g_idx permuted by descending column norm).
 Checks (torch.equal against foak's torch reference on the same device): gptq_dequantize and
 GPTQWeight.dequantize in bf16 and fp16, both unpack variants and both tile layouts, and every tile configuration of the sweep.
-Times (CUDA-event median of --reps calls after warm-up, benchmarks/real_world.timed_ms; host overhead
-included, as a caller sees it): ``gptq_dequantize`` (validates each call, one host sync for g_idx),
+Times (CUDA-event median of --reps calls after warm-up, foak.bench.measure.event_median_ms; host
+overhead included, as a caller sees it): ``gptq_dequantize`` (validates each call, one host sync for g_idx),
 ``GPTQWeight.dequantize`` (validated once: what the LoRA ops call), and the kernel alone (20 calls of
 GPTQWeight.dequantize replayed from a CUDA graph, per call). Bandwidth counts the bytes the kernel must move
 (qweight, qzeros, scales, g_idx read once, the bf16 output written) against a plain ``dst.copy_(src)`` of a
@@ -35,9 +35,8 @@ if SMOKE:
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from real_world import timed_ms  # noqa: E402  (CUDA-event median)
+from foak.bench.measure import event_median_ms as timed_ms  # noqa: E402  (CUDA-event median)
+from foak.bench.measure import graph_ms, install_interpreter_compat  # noqa: E402,F401  (gptq_matmul.py: graph_ms)
 
 SHAPES = [(4096, 4096), (1024, 4096), (14336, 4096), (4096, 14336)]
 SMOKE_SHAPES = [(40, 136), (72, 264)]
@@ -52,23 +51,6 @@ SWEEP = [  # (block_out, block_in, warps, unpack, layout); layout applies to pla
 ]
 
 
-def graph_ms(fn, calls=20, reps=20):
-    """Per-call time of fn with the host out of the way: ``calls`` calls captured in a CUDA graph, replayed."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(3):
-            fn()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(calls):
-            fn()
-    ms = timed_ms(graph.replay, reps=reps, warmup=3) / calls
-    del graph
-    return ms
-
-
 def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--cpu-smoke", action="store_true", help="CPU + Triton interpreter, tiny shapes, no timing")
@@ -79,10 +61,7 @@ def main() -> int:
     parser.add_argument("--out", default=os.environ.get("OUT", "out"))
     args = parser.parse_args()
     if SMOKE:
-        sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-        import triton_interpreter_compat  # bf16 in the interpreter (test-only layer)
-
-        triton_interpreter_compat.install()
+        install_interpreter_compat()  # bf16 in the interpreter (the tests' layer)
     elif not torch.cuda.is_available():
         print("no CUDA device: run with --cpu-smoke for the CPU checks", file=sys.stderr)
         return 2

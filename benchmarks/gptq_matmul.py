@@ -32,9 +32,7 @@ if SMOKE:
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from gptq import graph_ms  # noqa: E402  (CUDA-graph per-call time)
+from foak.bench.measure import graph_ms, install_interpreter_compat  # noqa: E402  (CUDA-graph per-call time)
 
 SHAPES = [(4096, 4096), (1024, 4096), (14336, 4096), (4096, 14336)]
 ROWS = [1, 8, 16, 32, 64, 128, 256, 1024, 8192]
@@ -64,16 +62,15 @@ def main() -> int:
     parser.add_argument("--out", default=os.environ.get("OUT", "out"))
     args = parser.parse_args()
     if SMOKE:
-        sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-        import triton_interpreter_compat
-
-        triton_interpreter_compat.install()
+        install_interpreter_compat()  # bf16 in the interpreter (the tests' layer)
     elif not torch.cuda.is_available():
         print("no CUDA device: run with --cpu-smoke for the CPU checks", file=sys.stderr)
         return 2
     import triton
 
-    from foak.ops import gptq_matmul as mm_mod
+    import importlib
+
+    mm_mod = importlib.import_module("foak.ops.gptq_matmul")  # the module: foak.ops.gptq_matmul is the function
     from foak.ops.gptq import GPTQWeight, gptq_quantize_rtn
     from foak.ops.gptq_matmul import gptq_matmul
 

@@ -22,9 +22,7 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from real_world import timed_ms  # noqa: E402  (CUDA-event median of fwd+bwd calls)
+from foak.bench.measure import event_median_ms as timed_ms  # CUDA-event median of fwd+bwd calls
 
 
 def rel(a, b):

@@ -28,9 +28,8 @@ if SMOKE:
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from real_world import timed_ms  # noqa: E402  (CUDA-event median)
+from foak.bench.measure import event_median_ms as timed_ms  # noqa: E402  (CUDA-event median)
+from foak.bench.measure import install_interpreter_compat  # noqa: E402
 
 SHAPES = [(4096, 4096), (1024, 4096), (14336, 4096), (4096, 14336)]
 SMOKE_SHAPES = [(37, 130), (129, 160)]
@@ -51,10 +50,7 @@ def main() -> int:
     parser.add_argument("--out", default=os.environ.get("OUT", "out"))
     args = parser.parse_args()
     if SMOKE:
-        sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-        import triton_interpreter_compat  # bf16 in the interpreter (test-only layer)
-
-        triton_interpreter_compat.install()
+        install_interpreter_compat()  # bf16 in the interpreter (the tests' layer)
     elif not torch.cuda.is_available():
         print("no CUDA device: run with --cpu-smoke for the CPU checks", file=sys.stderr)
         return 2

@@ -19,20 +19,19 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
-
 import torch
 import torch.nn.functional as F
 import triton
 
 import foak
+from foak.bench.measure import SPIN_CYCLES, copy_bandwidth  # noqa: F401  (loss.py imports them from here too)
+from foak.bench.measure import spin_median_ms as cuda_median_ms
 from foak.ops import geglu_reference, rms_norm_reference, rope_reference, swiglu_reference
 
 TOL = {torch.float32: 1e-5, torch.bfloat16: 1e-2}
 AGREE_TOL = 2e-2  # foak vs HF eager at the benchmark shapes: both carry bf16 rounding
 EPS = 1e-6
 MiB = 2**20
-SPIN_CYCLES = 20_000_000  # ~10 ms at the H200's 1.98 GHz: longer than any variant's host issue time
 CHECKS: list[dict] = []
 START = time.perf_counter()
 
@@ -204,37 +203,6 @@ def compile_check(dev, backend="inductor"):
 
 
 # 2. timing ----------------------------------------------------------------------------------------
-def cuda_median_ms(run, prepare=lambda: (), warmup=10, reps=50, host_times=None) -> float:
-    """Median GPU time (CUDA events) of run(*prepare()); prepare() is enqueued outside the events.
-
-    Before each timed call the GPU is kept busy by a spin kernel, so the host has queued the whole call
-    before the GPU reaches it: the events then time the kernels, not Python's launch overhead (which a
-    training step hides behind other layers' GPU work). The host's issue time of each call is appended
-    to host_times (ms) when a list is given.
-    """
-    for _ in range(warmup):
-        run(*prepare())
-    events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(reps)]
-    for start, end in events:
-        args = prepare()
-        torch.cuda._sleep(SPIN_CYCLES)
-        start.record()
-        t0 = time.perf_counter()
-        run(*args)
-        if host_times is not None:
-            host_times.append((time.perf_counter() - t0) * 1e3)
-        end.record()
-        torch.cuda.synchronize()  # one call at a time: the spin must cover only that call's issue time
-    return statistics.median(s.elapsed_time(e) for s, e in events)
-
-
-def copy_bandwidth() -> float:
-    src = torch.ones(2 * 2**30, dtype=torch.uint8, device="cuda")
-    dst = torch.empty_like(src)
-    ms = cuda_median_ms(lambda: dst.copy_(src), warmup=5, reps=20)
-    return 2 * src.numel() / (ms * 1e-3)
-
-
 def fresh(inputs0, dys0):
     """Non-leaf clones of the inputs (nn.Parameters are used as they are) and of the upstream grads."""
     ins = [t if isinstance(t, torch.nn.Parameter) else t.clone() for t in inputs0]

@@ -2,7 +2,8 @@
 keeping the product (foak glu_linear vs glu + F.linear, and eager torch), the RMSNorm-output recompute
 (a norm feeding three projections, inside and outside the recompute scope), and SDPA's attention
 backends at the step's attention shape. Correctness first (vs fp32 references), then time (CUDA events,
-median of 20 after warm-up, spin kernel ahead of each call, see ops.cuda_median_ms) and extra peak memory.
+median of 20 after warm-up, spin kernel ahead of each call, see foak.bench.measure.spin_median_ms) and extra
+peak memory.
 
     python3 benchmarks/step_parts.py --out DIR
 """
@@ -18,10 +19,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from ops import cuda_median_ms  # noqa: E402
+from foak.bench.measure import spin_median_ms as cuda_median_ms  # noqa: E402
 
 from foak.ops._recompute import recomputing_outputs  # noqa: E402
 from foak.ops.activations import glu  # noqa: E402

@@ -1,6 +1,8 @@
 """Whole training steps on the GPU: HF transformers vs foak (vs Liger when importable), each variant in
 its own process so that peak memory is clean. Models are built from configs with random weights
-(ANCHORS.md dims); input = random token ids, labels = inputs; bf16 weights, fused AdamW, sdpa.
+(ANCHORS.md dims); input = random token ids, labels = inputs; bf16 weights, fused AdamW, sdpa. The models
+(foak.bench.models) and the step loop (foak.bench.step.run_experiment) are foak bench's: `foak bench headline`
+runs the same steps from a scenario file.
 
     python3 benchmarks/train_step.py --out DIR [--models llama1b ...] [--variants hf foak liger]
                                      [--checkpointing] [--packed] [--autocast] [--profile] [--lce-chunk-mib N]
@@ -32,41 +34,13 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
+from foak.bench.models import BUILTIN_MODELS
+from foak.bench.step import run_experiment
 
-MODELS = {
-    "llama1b": ("LlamaConfig", dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
-                                    num_attention_heads=32, num_key_value_heads=8, vocab_size=128256,
-                                    tie_word_embeddings=True, max_position_embeddings=8192), 4, 4096),
-    "llama8b-8l": ("LlamaConfig", dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=8,
-                                       num_attention_heads=32, num_key_value_heads=8, vocab_size=128256,
-                                       max_position_embeddings=8192), 2, 4096),
-    "mixtral-small": ("MixtralConfig", dict(hidden_size=2048, intermediate_size=5632, num_hidden_layers=8,
-                                            num_attention_heads=16, num_key_value_heads=8, num_local_experts=8,
-                                            num_experts_per_tok=2, vocab_size=32000,
-                                            max_position_embeddings=8192), 4, 4096),
-    # CPU smoke test of this script's code paths (--device cpu)
-    "tiny": ("LlamaConfig", dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
-                                 num_key_value_heads=2, vocab_size=301, max_position_embeddings=256), 2, 64),
-}
+# the models' shapes, batch sizes and sequence lengths: foak.bench.models (foak bench's built-in models)
+MODELS = {name: (m.config_class, m.dims, m.batch_size, m.seq_length) for name, m in BUILTIN_MODELS.items()}
+DEFAULT_MODELS = ["llama1b", "llama8b-8l", "mixtral-small", "tiny"]
 WARMUP, TIMED = 3, 8
-
-
-def packed_inputs(batch: int, seq: int, vocab: int, gen, device):
-    """Each row packs random-length sequences (seq/16 .. seq/2 tokens) with restarting position_ids;
-    labels are -100 at each sequence start (nothing predicts across sequences)."""
-    ids = torch.randint(0, vocab, (batch, seq), device=device, generator=gen)
-    positions = torch.empty((batch, seq), dtype=torch.long)
-    labels = ids.clone()
-    cpu_gen = torch.Generator().manual_seed(int(torch.randint(0, 2**31, (1,), generator=gen, device=device)))
-    for row in range(batch):
-        start = 0
-        while start < seq:
-            n = min(seq - start, int(torch.randint(seq // 16, seq // 2 + 1, (1,), generator=cpu_gen)))
-            positions[row, start:start + n] = torch.arange(n)
-            labels[row, start] = -100
-            start += n
-    return {"input_ids": ids, "labels": labels, "position_ids": positions.to(device), "use_cache": False}
 
 
 # kernel-name patterns -> category of a step's GPU time (first match wins)
@@ -112,138 +86,61 @@ def profile_steps(step, batches, n_steps: int) -> dict:
             "top_kernels_ms": [[name[:140], ms] for name, ms in top]}
 
 
-def quantize_nf4(model, device):
-    """Every nn.Linear under model.model (not the LM head) -> bitsandbytes NF4 Linear4bit, double-quantized."""
-    import bitsandbytes as bnb
-    from torch import nn
-
-    for parent in list(model.model.modules()):
-        for name, child in list(parent.named_children()):
-            if type(child) is nn.Linear:
-                q = bnb.nn.Linear4bit(child.in_features, child.out_features, bias=child.bias is not None,
-                                      compute_dtype=torch.bfloat16, quant_type="nf4", compress_statistics=True,
-                                      device="meta")
-                q.weight = bnb.nn.Params4bit(child.weight.data.to("cpu" if device == "cpu" else device),
-                                             requires_grad=False, quant_type="nf4", compress_statistics=True)
-                if child.bias is not None:
-                    q.bias = nn.Parameter(child.bias.data, requires_grad=False)
-                setattr(parent, name, q.to(device))
+def experiment(model_name: str, variant: str, checkpointing: bool = False, packed: bool = False,
+               device: str = "cuda", autocast: bool = False, lora: bool = False, qlora: bool = False,
+               gptq: bool = False) -> dict:
+    """This script's variant as a foak bench experiment (foak.bench.step runs both). Weights: bf16 on CUDA, fp32
+    on CPU or with --autocast; PEFT runs put fp32 adapters under bf16 autocast."""
+    model = BUILTIN_MODELS[model_name]
+    peft = "qlora-nf4" if qlora else "gptq-lora" if gptq else "lora" if lora else "none"
     if device == "cuda":
-        torch.cuda.empty_cache()
-    model.is_loaded_in_4bit = True
-    return model
+        precision = "bf16-autocast" if autocast else "bf16"
+    else:
+        precision = "bf16-autocast" if autocast or peft != "none" else "fp32"
+    kind = {"hf": "none", "foak": "foak", "liger": "liger"}[variant]
+    return {"scenario": "train_step", "experiment": f"{model_name}/{variant}", "point": model_name,
+            "model": model_name, "framework": variant,
+            "model_spec": {"builtin": model_name, "path": None, "hub": None, "init": "pretrained", "overrides": {},
+                           "batch_size": None, "seq_length": None},
+            # foak: every switch foak has for the model (foak.patching.default_config; fused_lora with PEFT)
+            "framework_spec": {"name": variant, "kind": kind, "config": None, "switches": None, "options": {},
+                               "callable": None, "requires": [], "env": {}},
+            "batch_size": model.batch_size, "seq_length": model.seq_length, "packing": packed,
+            "precision": precision, "peft": peft, "gradient_checkpointing": checkpointing, "gpus": 1,
+            "warmup_steps": WARMUP, "timed_steps": TIMED, "seed": 0, "device": device,
+            "lora_r": 16, "lora_alpha": 16, "lora_dropout": 0.0, "learning_rate": 1e-5, "attn_implementation": "sdpa",
+            "target_modules": ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
+            "env": {}, "timeout_s": 1800}
 
 
 def run_one(model_name: str, variant: str, checkpointing: bool = False, packed: bool = False,
             device: str = "cuda", profile: bool = False, autocast: bool = False, lora: bool = False,
             qlora: bool = False, gptq: bool = False) -> dict:
-    import transformers
+    exp = experiment(model_name, variant, checkpointing, packed, device, autocast, lora, qlora, gptq)
 
-    class_name, dims, batch, seq = MODELS[model_name]
-    config = getattr(transformers, class_name)(**dims)
-    config._attn_implementation = "sdpa"
-    torch.manual_seed(0)
-    dtype = torch.bfloat16 if device == "cuda" and not autocast else torch.float32
-    with torch.device(device):
-        model = transformers.AutoModelForCausalLM.from_config(config, dtype=dtype)
-    model.config.use_cache = False
-    if qlora:
-        model = quantize_nf4(model, device)
-        lora = True
-    if gptq:
-        from foak.quant import quantize_model_gptq
-
-        model = quantize_model_gptq(model, group_size=128, sym=True)
-        if device == "cuda":
-            torch.cuda.empty_cache()
-        lora = True
-    if checkpointing:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    if lora:  # adapters in fp32 (PEFT's autocast_adapter_dtype), base frozen in bf16, forward under autocast
-        import peft
-
-        lora_config = peft.LoraConfig(r=16, lora_alpha=16, lora_dropout=0.0, target_modules=[
-            "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"])
-        if gptq:
-            from foak.quant.gptq_peft import register_gptq_lora
-
-            register_gptq_lora(lora_config)
-        model = peft.get_peft_model(model, lora_config)
-        autocast = True
-    model.train()
-    report = None
-    if variant == "foak":
-        import foak
-        from foak.models import rules_for
-
-        switches = {r.switch for r in rules_for(model)}
-        extra = {"fused_lora": True} if lora else {}
-        report = (foak.patch(model, fast_rms_layernorm=True, fast_rope_embeddings=True,
-                                fast_swiglu="swiglu" in switches, fused_linear_loss=True,
-                                fast_moe="moe" in switches,
-                                mixed_precision="bf16" if autocast else "no", **extra))
-    elif variant == "liger":
-        import liger_kernel.transformers as liger
-
-        base = model.get_base_model() if hasattr(model, "get_base_model") else model  # a PeftModel
-        getattr(liger, f"apply_liger_kernel_to_{config.model_type}")(model=base)
-    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-5,
-                                  fused=device == "cuda")
-    gen = torch.Generator(device=device).manual_seed(1)
-    if packed:
-        batches = [packed_inputs(batch, seq, config.vocab_size, gen, device) for _ in range(WARMUP + TIMED)]
-    else:
-        batches = []
-        for _ in range(WARMUP + TIMED):
-            ids = torch.randint(0, config.vocab_size, (batch, seq), device=device, generator=gen)
-            batches.append({"input_ids": ids, "labels": ids})
-    losses = []
-
-    def step(inputs):
-        with torch.autocast(device, dtype=torch.bfloat16, enabled=autocast):
-            loss = model(**inputs).loss
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        return loss.detach()
-
-    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
-    sync()
-    first_start = time.perf_counter()
-    for n, inputs in enumerate(batches[:WARMUP]):
-        losses.append(step(inputs))
-        if n == 0:
-            sync()
-            first_step_s = time.perf_counter() - first_start  # compilation / autotuning included
-    sync()
-    if device == "cuda":
-        torch.cuda.reset_peak_memory_stats()
-    start = time.perf_counter()
-    for inputs in batches[WARMUP:]:
-        losses.append(step(inputs))
-    sync()
-    seconds = time.perf_counter() - start
-    peak_gib = torch.cuda.max_memory_allocated() / 2**30 if device == "cuda" else float("nan")
-    profiled = None
-    if profile and device == "cuda":
+    def profiled(step, batches):
         try:
-            profiled = profile_steps(step, batches[WARMUP:], 2)
+            return profile_steps(step, batches, 2)
         except Exception as err:  # the timing above stands; say why the profile is missing
-            profiled = {"error": f"{type(err).__name__}: {err}"}
+            return {"error": f"{type(err).__name__}: {err}"}
+
+    r = run_experiment(exp, after_timed=profiled if profile and device == "cuda" else None)
     return {"model": model_name, "variant": variant, "checkpointing": checkpointing, "packed": packed,
-            "autocast": autocast, "weights": "nf4" if qlora else "gptq4" if gptq else str(dtype).replace("torch.", ""),
-            "lora": lora,
-            "batch": batch, "seq": seq, "tokens_per_s": TIMED * batch * seq / seconds,
-            "step_ms": seconds / TIMED * 1e3,
-            "peak_gib": peak_gib, "first_step_s": first_step_s, "losses": [float(x) for x in losses],
-            "patch_report": None if report is None else str(report),  # after the steps: with call counts
-            "profile": profiled}
+            "autocast": r["autocast"] is not None,
+            "weights": "nf4" if qlora else "gptq4" if gptq else r["weights_dtype"],
+            "lora": exp["peft"] != "none",
+            "batch": exp["batch_size"], "seq": exp["seq_length"], "tokens_per_s": r["tokens_per_s"],
+            "step_ms": r["step_ms"], "step_ms_median": r["step_ms_median"],
+            "peak_gib": r["peak_allocated_gib"] if device == "cuda" else float("nan"),
+            "peak_reserved_gib": r["peak_reserved_gib"], "first_step_s": r["first_step_s"], "losses": r["losses"],
+            "patch_report": r["patch_report"],  # after the steps: with call counts
+            "profile": r["extra"]}
 
 
 def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", default="benchmarks/results")
-    parser.add_argument("--models", nargs="*", default=list(MODELS))
+    parser.add_argument("--models", nargs="*", default=DEFAULT_MODELS, choices=list(MODELS))
     parser.add_argument("--variants", nargs="*", default=["hf", "foak", "liger"])
     parser.add_argument("--checkpointing", action="store_true", help="gradient checkpointing (non-reentrant)")
     parser.add_argument("--packed", action="store_true", help="rows of packed variable-length sequences")
@@ -296,12 +193,9 @@ def main() -> int:
     import transformers
     import triton
 
-    try:
-        from importlib.metadata import version
+    from foak.bench.measure import package_version
 
-        liger_version = version("liger-kernel")
-    except Exception:  # not installed: no liger rows either
-        liger_version = None
+    liger_version = package_version("liger-kernel")  # None when not installed: no liger rows either
     result = {"liger_kernel": liger_version, "lce_chunk_mib": args.lce_chunk_mib or "default", "date_utc": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
               "gpu": torch.cuda.get_device_name() if args.device == "cuda" else "cpu (smoke test)", "torch": torch.__version__, "triton": triton.__version__,
               "transformers": transformers.__version__, "warmup_steps": WARMUP, "timed_steps": TIMED, "rows": rows}

@@ -1,8 +1,8 @@
 """Sweep foak's launch knobs (ops' TUNING dicts) at the ANCHORS shapes on a GPU; prints the best per op.
 
 Run on the H200: python3 benchmarks/tune_ops.py [--out DIR]. Times forward+backward (bf16), median of
-CUDA-event timings with the host's launch overhead hidden (see ops.cuda_median_ms); inputs are fresh
-non-leaf clones each repetition, outside the timed region.
+CUDA-event timings with the host's launch overhead hidden (see foak.bench.measure.spin_median_ms); inputs are
+fresh non-leaf clones each repetition, outside the timed region.
 """
 
 from __future__ import annotations
@@ -12,13 +12,10 @@ import importlib
 import itertools
 import json
 import os
-import sys
 
 import torch
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "src"))
-sys.path.insert(0, os.path.dirname(__file__))
-from ops import cuda_median_ms  # noqa: E402  (GPU time with the host's launch overhead hidden)
+from foak.bench.measure import spin_median_ms as cuda_median_ms  # host launch overhead hidden
 
 import foak  # noqa: E402
 from foak.ops.cross_entropy import cross_entropy  # noqa: E402

@@ -211,3 +211,49 @@ def test_unavailable_framework_is_a_skipped_row(tmp_path):
     assert row["status"] == "skipped" and "no_such_peer_foak_test is not installed" in row["error"]
     assert not (tmp_path / "logs").exists()  # no process was started
     assert _rows(tmp_path / "results.csv")[0]["status"] == "skipped"
+
+
+def test_resume_keeps_the_ok_rows(tmp_path):
+    """--resume: an experiment with an ok row in the earlier results.json is not run again."""
+    from foak.bench.runner import run_scenario
+
+    scenario = parse_scenario({"name": "r", "frameworks": [
+        "none", {"name": "peer", "kind": "python", "callable": "no_such_peer_foak_test:apply",
+                 "requires": ["no_such_peer_foak_test"]}], "sweeps": [{"model": "tiny", "device": "cpu"}]})
+    first, second = (e["experiment"] for e in expand(scenario))
+    earlier = {"experiment": first, "point": first.rsplit("/", 1)[0], "framework": "none", "status": "ok",
+               "tokens_per_s": 1234.0, "step_ms": 50.0, "peak_rss_gib": 0.5, "losses": [5.7, 5.6]}
+    (tmp_path / "results.json").write_text(json.dumps({"results": [earlier]}))
+    lines = []
+    rows = run_scenario(scenario, tmp_path, resume=True, echo=lines.append)["results"]
+    assert [r["status"] for r in rows] == ["ok", "skipped"] and rows[0]["tokens_per_s"] == 1234.0
+    assert any("kept from the earlier run" in line for line in lines)
+    assert not (tmp_path / "logs").exists()
+    assert [r["experiment"] for r in _rows(tmp_path / "results.csv")] == [first, second]
+
+
+FAKE_SMI = """#!/bin/sh
+# a stand-in for nvidia-smi: the query mode foak uses (-lms: a line per sample until killed) and one-shot queries
+case "$*" in
+  *-lms=*) for used in 1000 1500 1250; do echo "$used, 40"; sleep 0.05; done; exec sleep 30 ;;
+  *name,driver_version,memory.total*) echo "NVIDIA H200, 580.65, 143771" ;;
+  *) echo "7, 8" ;;
+esac
+"""
+
+
+def test_nvidia_smi_readers(tmp_path, monkeypatch):
+    from foak.bench.measure import SmiSampler, nvidia_smi
+
+    assert SmiSampler("cpu").index is None  # no CUDA device: nothing sampled
+    exe = tmp_path / "nvidia-smi"
+    exe.write_text(FAKE_SMI)
+    exe.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{tmp_path}:{__import__('os').environ['PATH']}")
+    assert nvidia_smi("name", "driver_version", "memory.total") == [["NVIDIA H200", "580.65", "143771"]]
+    sampler = SmiSampler("cpu", interval_ms=100)
+    sampler.index, sampler.exe = 0, str(exe)  # as for a CUDA device
+    with sampler:
+        __import__("time").sleep(0.5)
+    assert sampler.peak_used_mib == 1500 and sampler.mean_utilization == 40
+    assert sampler._proc.poll() is not None  # the sampling process is gone

@@ -1,5 +1,5 @@
-"""``foak bench``: ``foak bench SCENARIO [--out DIR] [--only REGEX] [--dry-run]``, ``foak bench compare NEW.csv
-REF.csv [--threshold 0.1] [--noise-band] [--metrics ...]`` and ``foak bench --list``.
+"""``foak bench``: ``foak bench SCENARIO [--out DIR] [--only REGEX] [--dry-run] [--resume]``,
+``foak bench compare NEW.csv REF.csv [--threshold 0.1] [--noise-band] [--metrics ...]`` and ``foak bench --list``.
 
 Exit codes: 0 done (compare: no regression), 1 compare found a regression, 2 a usage error (foak's CLI prints
 the ValueError as one line). A failed experiment does not fail ``foak bench``: it is a result row."""
@@ -33,6 +33,8 @@ def _run_parser() -> argparse.ArgumentParser:
     parser.add_argument("--out", help="output directory (default: bench-results/<scenario name>)")
     parser.add_argument("--only", help="run only the experiments whose id matches this regular expression")
     parser.add_argument("--dry-run", action="store_true", help="list the experiments, run nothing")
+    parser.add_argument("--resume", action="store_true",
+                        help="keep the ok rows of an earlier run into --out, run the other experiments")
     parser.add_argument("--timeout", type=float, help="seconds per experiment (overrides the scenario's timeout_s)")
     parser.add_argument("--list", action="store_true", help="list the bundled scenarios")
     return parser
@@ -85,5 +87,5 @@ def main(argv: list[str]) -> int:
 
     scenario = load_scenario(args.scenario)
     out = args.out or f"bench-results/{scenario.name}"
-    run_scenario(scenario, out, only=args.only, dry_run=args.dry_run, timeout_s=args.timeout)
+    run_scenario(scenario, out, only=args.only, dry_run=args.dry_run, timeout_s=args.timeout, resume=args.resume)
     return 0

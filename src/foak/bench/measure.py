@@ -187,42 +187,56 @@ def nvidia_smi(*fields: str, index: int | None = None) -> list[list[str]] | None
 
 
 class SmiSampler:
-    """Polls nvidia-smi (memory used, utilization) for one GPU every ``interval`` s in a thread while the
-    ``with`` block runs: ``peak_used_mib`` (the device's whole memory in use, other processes and the CUDA
-    context included) and ``mean_utilization`` (percent). Both None without nvidia-smi or a CUDA device."""
+    """nvidia-smi's view of one GPU while the ``with`` block runs: one ``nvidia-smi --query-gpu ... -lms``
+    process samples memory used and utilization every ``interval_ms``; ``peak_used_mib`` (the device's whole
+    memory in use: other processes and the CUDA context included) and ``mean_utilization`` (percent). Both None
+    without nvidia-smi or a CUDA device, or when the block ended before the first sample."""
 
-    def __init__(self, device: torch.device | str, interval: float = 0.2):
+    def __init__(self, device: torch.device | str, interval_ms: int = 200):
         device = torch.device(device)
         self.index = None
-        if device.type == "cuda" and shutil.which("nvidia-smi"):
+        self.exe = shutil.which("nvidia-smi")
+        if device.type == "cuda" and self.exe:
             self.index = _physical_index(device.index if device.index is not None else torch.cuda.current_device())
-        self.interval = interval
+        self.interval_ms = interval_ms
         self.used: list[float] = []
         self.util: list[float] = []
-        self._stop = threading.Event()
+        self._proc = None
         self._thread = None
 
-    def _poll(self):
-        while not self._stop.is_set():
-            rows = nvidia_smi("memory.used", "utilization.gpu", index=self.index)
-            if rows:
-                try:
-                    self.used.append(float(rows[0][0]))
-                    self.util.append(float(rows[0][1]))
-                except (ValueError, IndexError):
-                    pass
-            self._stop.wait(self.interval)
+    def _read(self):
+        for line in self._proc.stdout:
+            cells = [c.strip() for c in line.split(",")]
+            try:
+                self.used.append(float(cells[0]))
+                self.util.append(float(cells[1]))
+            except (ValueError, IndexError):
+                continue
 
     def __enter__(self):
         if self.index is not None:
-            self._thread = threading.Thread(target=self._poll, daemon=True)
-            self._thread.start()
+            try:
+                self._proc = subprocess.Popen(
+                    [self.exe, "--query-gpu=memory.used,utilization.gpu", "--format=csv,noheader,nounits",
+                     f"--id={self.index}", f"-lms={self.interval_ms}"],
+                    stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+            except OSError:
+                self._proc = None
+            if self._proc is not None:
+                self._thread = threading.Thread(target=self._read, daemon=True)
+                self._thread.start()
         return self
 
     def __exit__(self, *exc):
-        if self._thread is not None:
-            self._stop.set()
-            self._thread.join(timeout=15)
+        if self._proc is not None:
+            time.sleep(self.interval_ms / 1e3)  # one more sample of the block's end state
+            self._proc.terminate()
+            try:
+                self._proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                self._proc.kill()
+                self._proc.wait()
+            self._thread.join(timeout=10)
 
     @property
     def peak_used_mib(self) -> float | None:
@@ -292,3 +306,19 @@ def environment(init_cuda: bool = True) -> dict:
     env["foak"] = foak.__version__
     env["foak_commit"] = git_commit()
     return env
+
+
+# ---- CPU smoke runs of the benchmark scripts --------------------------------------------------------------
+def install_interpreter_compat() -> None:
+    """For the ``--cpu-smoke`` modes of ``benchmarks/*.py``: install the test suite's fixes of Triton's CPU
+    interpreter (bf16 rounding, bf16 ``tl.dot``; ``tests/triton_interpreter_compat.py`` of a source checkout),
+    loaded from its file, not through sys.path."""
+    import importlib.util
+
+    path = Path(__file__).resolve().parents[3] / "tests" / "triton_interpreter_compat.py"
+    if not path.is_file():
+        raise ValueError(f"the CPU smoke modes need foak's source checkout ({path} is missing)")
+    spec = importlib.util.spec_from_file_location("triton_interpreter_compat", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    module.install()

@@ -156,10 +156,30 @@ def _print(line: str) -> None:
     print(line, flush=True)
 
 
+def _on_sigterm(signum, frame):
+    # SystemExit passes run_one's handler, which ends the experiment's process group, then exits (128 + 15)
+    print(f"foak bench: terminated (signal {signum}); results.csv and results.json hold the finished experiments",
+          flush=True)
+    raise SystemExit(128 + signum)
+
+
+def _previous_rows(out: Path) -> dict:
+    path = out / "results.json"
+    if not path.is_file():
+        return {}
+    try:
+        rows = json.loads(path.read_text()).get("results", [])
+    except ValueError:
+        raise ValueError(f"--resume: {path} is not a foak bench results file") from None
+    return {r["experiment"]: r for r in rows if r.get("status") == "ok"}
+
+
 def run_scenario(scenario: Scenario, out: str | Path, only: str | None = None, dry_run: bool = False,
-                 timeout_s: float | None = None, echo=_print) -> dict:
+                 timeout_s: float | None = None, resume: bool = False, echo=_print) -> dict:
     """Run every experiment of ``scenario`` (those whose id matches the regular expression ``only``), write
-    results.csv, results.json, summary.md and the plots to ``out``. Returns {"results": rows, "paths": ...}."""
+    results.csv, results.json, summary.md and the plots to ``out``. Returns {"results": rows, "paths": ...}.
+    ``resume``: keep the ok rows of an earlier run into ``out`` and run only the other experiments. SIGTERM
+    (e.g. ``timeout``) ends the running experiment's processes too, and keeps the files written so far."""
     from foak.bench.measure import environment
 
     experiments = expand(scenario)
@@ -179,6 +199,7 @@ def run_scenario(scenario: Scenario, out: str | Path, only: str | None = None, d
             echo(f"[{i}/{len(experiments)}] {e['experiment']}")
         return {"results": [], "paths": {}, "experiments": experiments}
     out = Path(out)
+    previous = _previous_rows(out) if resume else {}
     out.mkdir(parents=True, exist_ok=True)
     env = environment(init_cuda=False)
     info = {"name": scenario.name, "description": scenario.description, "source": scenario.source,
@@ -188,10 +209,35 @@ def run_scenario(scenario: Scenario, out: str | Path, only: str | None = None, d
          f"{out}")
     results = []
     total_start = time.perf_counter()
+    try:
+        old_handler = signal.signal(signal.SIGTERM, _on_sigterm)
+    except ValueError:  # not the main thread: no handler
+        old_handler = None
+    try:
+        _run_all(scenario, experiments, previous, out, env, info, results, echo)
+    finally:
+        if old_handler is not None:
+            signal.signal(signal.SIGTERM, old_handler)
+    if any(r.get("status") == "ok" for r in results):
+        devices = {r.get("device_name") for r in results if r.get("status") == "ok"}
+        if env.get("gpu") in ("cuda", None) and devices:
+            env["gpu"] = ", ".join(sorted(d for d in devices if d))
+    paths = write_report(results, env, info, out)
+    counts = {s: sum(r.get("status") == s for r in results) for s in dict.fromkeys(r.get("status") for r in results)}
+    echo(f"foak bench {scenario.name}: " + ", ".join(f"{n} {s}" for s, n in counts.items())
+         + f" in {time.perf_counter() - total_start:.0f} s; " + ", ".join(str(p) for p in paths.values()))
+    return {"results": results, "paths": paths, "experiments": experiments}
+
+
+def _run_all(scenario, experiments, previous, out, env, info, results, echo) -> None:
+    """Each experiment in turn (kept from ``previous`` when there), results.csv/json rewritten after each."""
     for i, exp in enumerate(experiments, 1):
-        fw = scenario.framework(exp["framework"])
+        if exp["experiment"] in previous:
+            results.append(previous[exp["experiment"]])
+            echo(f"[{i}/{len(experiments)}] {exp['experiment']}: kept from the earlier run in {out} (--resume)")
+            continue
         echo(f"[{i}/{len(experiments)}] {exp['experiment']}")
-        why = skip_reason(exp, fw)
+        why = skip_reason(exp, scenario.framework(exp["framework"]))
         if why:
             result = {"status": "skipped", "error": why, "repeats": 0, "wall_s": 0.0}
         else:
@@ -207,12 +253,3 @@ def run_scenario(scenario: Scenario, out: str | Path, only: str | None = None, d
         echo(f"    {_fmt_result(row)} ({row.get('wall_s', 0):.0f} s)")
         write_csv(results, out / "results.csv")
         write_json({"scenario": info, "environment": env, "results": results}, out / "results.json")
-    if any(r.get("status") == "ok" for r in results):
-        devices = {r.get("device_name") for r in results if r.get("status") == "ok"}
-        if env.get("gpu") in ("cuda", None) and devices:
-            env["gpu"] = ", ".join(sorted(d for d in devices if d))
-    paths = write_report(results, env, info, out)
-    counts = {s: sum(r.get("status") == s for r in results) for s in dict.fromkeys(r.get("status") for r in results)}
-    echo(f"foak bench {scenario.name}: " + ", ".join(f"{n} {s}" for s, n in counts.items())
-         + f" in {time.perf_counter() - total_start:.0f} s; " + ", ".join(str(p) for p in paths.values()))
-    return {"results": results, "paths": paths, "experiments": experiments}
