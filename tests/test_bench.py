@@ -46,6 +46,8 @@ def test_validation_errors_name_the_bad_key():
     assert "frameworks[1]: framework 'lgier': give its kind" in msg
     msg = _error({"name": "s", "frameworks": ["none", {"name": "f", "kind": "foak", "switches": {"fast_rms": True}}]})
     assert "unknown switch 'fast_rms'; did you mean" in msg and "'f'" in msg
+    msg = _error({**base, "models": {"mine": {"path": "/no/such/model/dir"}}, "sweeps": [{"model": "mine"}]})
+    assert "models.mine.path: '/no/such/model/dir' is not a directory" in msg
     msg = _error({**base, "baseline": "liger", "sweeps": [{"model": "tiny"}]})
     assert "baseline: 'liger' is not one of the frameworks (none, foak)" in msg
 
@@ -159,6 +161,11 @@ def test_smoke_scenario_end_to_end(tmp_path, capsys):
     assert "| tokens_per_s |" in text and "-33.3% | 10.0% | REGRESSION |" in text
     assert "1 regression(s) beyond 10%" in text
     assert cli_main(["bench", "compare", results, str(doctored), "--threshold", "0.4"]) == 0
+    # the summary and plots again from results.json
+    for name in ("throughput.png", "memory.png", "loss.png", "summary.md"):
+        (out / name).unlink()
+    assert cli_main(["bench", "report", str(out)]) == 0
+    assert (out / "loss.png").read_bytes()[:8] == PNG_MAGIC and (out / "summary.md").read_text() == summary
 
 
 def _write(path: Path, rows: list[dict]) -> str:
@@ -211,6 +218,19 @@ def test_unavailable_framework_is_a_skipped_row(tmp_path):
     assert row["status"] == "skipped" and "no_such_peer_foak_test is not installed" in row["error"]
     assert not (tmp_path / "logs").exists()  # no process was started
     assert _rows(tmp_path / "results.csv")[0]["status"] == "skipped"
+
+
+def test_skip_reasons(monkeypatch):
+    from foak.bench import runner
+
+    exp = {e["framework"]: e for e in expand(load_scenario("headline"))[:3]}
+    monkeypatch.setattr(runner, "_gpu_count", lambda: 0)
+    assert runner.skip_reason(exp["foak"], load_scenario("headline").framework("foak")) == \
+        "device cuda: no CUDA GPU here"
+    monkeypatch.setattr(runner, "_gpu_count", lambda: 1)
+    assert runner.skip_reason(exp["foak"], load_scenario("headline").framework("foak")) is None
+    assert runner.skip_reason({**exp["foak"], "gpus": 2}, load_scenario("headline").framework("foak")) == \
+        "needs 2 GPUs, 1 here"
 
 
 def test_resume_keeps_the_ok_rows(tmp_path):

@@ -1,5 +1,6 @@
 """``foak bench``: ``foak bench SCENARIO [--out DIR] [--only REGEX] [--dry-run] [--resume]``,
-``foak bench compare NEW.csv REF.csv [--threshold 0.1] [--noise-band] [--metrics ...]`` and ``foak bench --list``.
+``foak bench compare NEW.csv REF.csv [--threshold 0.1] [--noise-band] [--metrics ...]``, ``foak bench report DIR``
+(the CSV, summary and plots again from DIR/results.json) and ``foak bench --list``.
 
 Exit codes: 0 done (compare: no regression), 1 compare found a regression, 2 a usage error (foak's CLI prints
 the ValueError as one line). A failed experiment does not fail ``foak bench``: it is a result row."""
@@ -14,7 +15,8 @@ EXAMPLES = """\
 examples:
   foak bench headline --out results/headline       # a bundled scenario: the README's full fine-tuning table
   foak bench my_scenarios.yaml --only llama1b --dry-run
-  foak bench compare results/headline/results.csv benchmarks/results/bench_headline_h200/results.csv"""
+  foak bench compare results/headline/results.csv benchmarks/results/bench_headline_h200/results.csv
+  foak bench report results/headline               # the summary and plots again from its results.json"""
 
 
 class _Parser(argparse.ArgumentParser):
@@ -57,6 +59,14 @@ def _compare_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str]) -> int:
+    if argv and argv[0] == "report":
+        from foak.bench.report import rewrite_report
+
+        if len(argv) != 2 or argv[1].startswith("-"):
+            raise ValueError("usage: foak bench report OUT_DIR (the --out directory of a run, holding results.json)")
+        paths = rewrite_report(argv[1])
+        print("foak bench report: " + ", ".join(str(p) for p in paths.values()))
+        return 0
     if argv and argv[0] == "compare":
         from foak.bench.report import compare
 

@@ -170,7 +170,8 @@ def plot_bars(rows: list[dict], baseline: str | None, path: Path, what: str, tit
     ax.set_xticklabels([_short(p) for p in points], fontsize=7)
     ax.set_ylabel(ylabel)
     ax.set_title(title, fontsize=9)
-    ax.legend(fontsize=7)
+    ax.set_ylim(top=ax.get_ylim()[1] * 1.18)  # room for the legend above the bars
+    ax.legend(fontsize=7, loc="upper left", ncol=max(len(frameworks), 1))
     ax.grid(axis="y", alpha=0.3)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
@@ -219,15 +220,37 @@ def write_report(results: list[dict], env: dict, scenario_info: dict, out: Path)
              "throughput": out / "throughput.png", "memory": out / "memory.png", "loss": out / "loss.png"}
     write_csv(results, paths["csv"])
     write_json({"scenario": scenario_info, "environment": env, "results": results}, paths["json"])
-    where = f"{env.get('gpu')}, torch {env.get('torch')}, foak {env.get('foak')} ({env.get('foak_commit') or 'no git'})"
+    commit = env.get("foak_commit")
+    commit = (commit[:10] + ("-dirty" if commit.endswith("-dirty") else "")) if commit else "no git"
+    where = f"{env.get('gpu')}, torch {env.get('torch')}, foak {env.get('foak')} ({commit})"
     table = markdown_table(results, baseline)
     paths["markdown"].write_text(f"# foak bench: {scenario_info.get('name')}\n\n{scenario_info.get('description', '')}"
                                  f"\n\n{where}; {env.get('date_utc')}\n\n{table}")
     title = f"{scenario_info.get('name')}: {where}"
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        print("foak bench: matplotlib is not installed, so no plots (pip install matplotlib, then foak bench report "
+              f"{out})", flush=True)
+        return {k: v for k, v in paths.items() if k in ("csv", "json", "markdown")}
     plot_bars(results, baseline, paths["throughput"], "throughput", title)
     plot_bars(results, baseline, paths["memory"], "memory", title)
     plot_losses(results, paths["loss"], title)
     return paths
+
+
+def rewrite_report(out: str | Path) -> dict:
+    """The CSV, summary and plots again from ``out``/results.json (e.g. made where matplotlib was missing)."""
+    out = Path(out)
+    path = out / "results.json"
+    if not path.is_file():
+        raise ValueError(f"no {path}: give the --out directory of a foak bench run")
+    try:
+        data = json.loads(path.read_text())
+        results, env, info = data["results"], data["environment"], data["scenario"]
+    except (ValueError, KeyError, TypeError):
+        raise ValueError(f"{path} is not a foak bench results file") from None
+    return write_report(results, env, info, out)
 
 
 # ---- compare ----------------------------------------------------------------------------------------------

@@ -82,7 +82,7 @@ PLAIN_ARGUMENTS: dict[str, tuple[Any, str]] = {
 }
 # the experiment's id names a non-axis argument when it differs from its default
 ID_EXTRAS = ("lora_r", "lora_alpha", "lora_dropout", "warmup_steps", "timed_steps", "seed", "learning_rate",
-             "device", "attn_implementation")
+             "attn_implementation")  # not the device: where a run was made is its environment, not its identity
 
 
 def _check_keys(data: Any, valid: list[str]) -> None:
@@ -425,6 +425,9 @@ def parse_scenario(data: Any, origin: str = "the scenario", base_dir: Path | Non
         if spec.path is not None:
             path = Path(os.path.expanduser(spec.path))
             path = path if path.is_absolute() else (base_dir / path)
+            if not path.is_dir():
+                raise ValueError(f"{origin}: models.{key}.path: {spec.path!r} is not a directory (looked for {path}; "
+                                 "a relative path is relative to the scenario file)")
             spec = spec.model_copy(update={"path": str(path.resolve())})
         models[key] = spec
     frameworks = []
