@@ -17,6 +17,13 @@ runs the same steps from a scenario file.
     --gptq: the same on a GPTQ-4bit base: every decoder projection a foak.quant GPTQLinear (round-to-nearest,
             group 128, symmetric, bf16 compute), LoRA through foak's GPTQLoraLinear (register_gptq_lora); the
             hf variant is then foak's unfused GPTQLinear path with PEFT (no other library runs this base)
+    --packing-compare: each variant on the packed rows and on the same number of tokens unpacked, in one call
+            (tokens/s and peak of packed vs unpacked per variant at the end); variants ``foak-nopack`` (every
+            foak switch but fast_packed_attention: transformers' dense block-causal mask) and ``foak:BACKEND``
+            (FOAK_PACKED_ATTENTION=BACKEND: flash, varlen_attn, flex, sdpa) can be added to --variants, or
+            --packed-backends B ... adds foak:B for each
+    python3 benchmarks/train_step.py --packing-compare --models llama1b llama8b-8l mixtral-small \
+            --variants hf foak foak-nopack liger --out DIR     # issue [packing]'s rows in one call
     python3 benchmarks/train_step.py --one llama1b foak      # a single variant (what the driver runs)
     python3 benchmarks/train_step.py --models tiny --variants hf foak --device cpu --out /tmp/x  # smoke
 """
@@ -86,6 +93,24 @@ def profile_steps(step, batches, n_steps: int) -> dict:
             "top_kernels_ms": [[name[:140], ms] for name, ms in top]}
 
 
+def switches_without_packed_attention(model_name: str, peft: str) -> dict:
+    """foak-nopack: every switch foak has for the model (foak.patching.default_config, read from the model built
+    on the meta device) but fast_packed_attention; fused_lora with PEFT."""
+    import transformers
+
+    from foak.patching import default_config
+
+    spec = BUILTIN_MODELS[model_name]
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(getattr(transformers, spec.config_class)(**spec.dims))
+    config = default_config(model).model_dump(exclude={"mode", "base_layer"})
+    switches = {k: True for k, v in config.items() if v is True}
+    switches.pop("fast_packed_attention", None)
+    if peft != "none":
+        switches["fused_lora"] = True
+    return switches
+
+
 def experiment(model_name: str, variant: str, checkpointing: bool = False, packed: bool = False,
                device: str = "cuda", autocast: bool = False, lora: bool = False, qlora: bool = False,
                gptq: bool = False) -> dict:
@@ -97,13 +122,15 @@ def experiment(model_name: str, variant: str, checkpointing: bool = False, packe
         precision = "bf16-autocast" if autocast else "bf16"
     else:
         precision = "bf16-autocast" if autocast or peft != "none" else "fp32"
-    kind = {"hf": "none", "foak": "foak", "liger": "liger"}[variant]
+    base = variant.partition(":")[0]  # foak:flex = foak with FOAK_PACKED_ATTENTION=flex (set by run_one)
+    kind = {"hf": "none", "foak": "foak", "foak-nopack": "foak", "liger": "liger"}[base]
+    switches = switches_without_packed_attention(model_name, peft) if base == "foak-nopack" else None
     return {"scenario": "train_step", "experiment": f"{model_name}/{variant}", "point": model_name,
             "model": model_name, "framework": variant,
             "model_spec": {"builtin": model_name, "path": None, "hub": None, "init": "pretrained", "overrides": {},
                            "batch_size": None, "seq_length": None},
             # foak: every switch foak has for the model (foak.patching.default_config; fused_lora with PEFT)
-            "framework_spec": {"name": variant, "kind": kind, "config": None, "switches": None, "options": {},
+            "framework_spec": {"name": variant, "kind": kind, "config": None, "switches": switches, "options": {},
                                "callable": None, "requires": [], "env": {}},
             "batch_size": model.batch_size, "seq_length": model.seq_length, "packing": packed,
             "precision": precision, "peft": peft, "gradient_checkpointing": checkpointing, "gpus": 1,
@@ -117,6 +144,8 @@ def run_one(model_name: str, variant: str, checkpointing: bool = False, packed: 
             device: str = "cuda", profile: bool = False, autocast: bool = False, lora: bool = False,
             qlora: bool = False, gptq: bool = False) -> dict:
     exp = experiment(model_name, variant, checkpointing, packed, device, autocast, lora, qlora, gptq)
+    if variant.startswith("foak:"):  # this variant's own process: the packed-attention backend to use
+        os.environ["FOAK_PACKED_ATTENTION"] = variant.partition(":")[2]
 
     def profiled(step, batches):
         try:
@@ -155,6 +184,10 @@ def main() -> int:
     parser.add_argument("--profile", action="store_true", help="also profile 2 steps: GPU time by kernel category")
     parser.add_argument("--moe-recompute", action="store_true",
                         help="foak: moe_experts recomputes the [S, 2I] gate/up product in the backward")
+    parser.add_argument("--packing-compare", action="store_true",
+                        help="each variant on packed rows and on the same tokens unpacked, in one call")
+    parser.add_argument("--packed-backends", nargs="*", default=[],
+                        help="add a foak:B variant per packed-attention backend B (flash, varlen_attn, flex, sdpa)")
     parser.add_argument("--one", nargs=2, metavar=("MODEL", "VARIANT"))
     args = parser.parse_args()
     if args.one:
@@ -179,17 +212,22 @@ def main() -> int:
     if args.lce_chunk_mib:
         flags += ["--lce-chunk-mib", str(args.lce_chunk_mib)]
     rows = []
+    variants = [*args.variants, *(f"foak:{b}" for b in args.packed_backends)]
+    packings = [True, False] if args.packing_compare else [args.packed]
     for model_name in args.models:
-        for variant in args.variants:
-            proc = subprocess.run([sys.executable, __file__, "--one", model_name, variant, *flags,
-                                   "--device", args.device], capture_output=True, text=True, env=os.environ)
-            line = next((x for x in proc.stdout.splitlines() if x.startswith("RESULT ")), None)
-            if line is None:
-                tail = (proc.stderr or proc.stdout).strip().splitlines()[-3:]
-                rows.append({"model": model_name, "variant": variant, "error": " | ".join(tail)})
-            else:
-                rows.append(json.loads(line[len("RESULT "):]))
-            print(json.dumps({k: v for k, v in rows[-1].items() if k not in ("patch_report", "profile")}), flush=True)
+        for packed in packings:
+            run_flags = [f for f in flags if f != "--packed"] + (["--packed"] if packed else [])
+            for variant in variants:
+                proc = subprocess.run([sys.executable, __file__, "--one", model_name, variant, *run_flags,
+                                       "--device", args.device], capture_output=True, text=True, env=os.environ)
+                line = next((x for x in proc.stdout.splitlines() if x.startswith("RESULT ")), None)
+                if line is None:
+                    tail = (proc.stderr or proc.stdout).strip().splitlines()[-3:]
+                    rows.append({"model": model_name, "variant": variant, "packed": packed, "error": " | ".join(tail)})
+                else:
+                    rows.append(json.loads(line[len("RESULT "):]))
+                print(json.dumps({k: v for k, v in rows[-1].items() if k not in ("patch_report", "profile")}),
+                      flush=True)
     import transformers
     import triton
 
@@ -202,17 +240,27 @@ def main() -> int:
     Path(args.out).mkdir(parents=True, exist_ok=True)
     suffix = "_" + "_".join(args.models)  # one file per set of models: runs do not overwrite each other
     suffix += "".join(f"_{f.lstrip('-')}" for f in flags if f.startswith("--") and f not in ("--profile", "--lce-chunk-mib"))
+    if args.packing_compare:
+        suffix += "_packing_compare"
     if args.tag:
         suffix += f"_{args.tag}"
     (Path(args.out) / f"train_step_h200{suffix}.json").write_text(json.dumps(result, indent=1))
-    print("| model | variant | tokens/s | peak GiB | step ms | first step s | first losses |")
-    print("|---|---|---|---|---|---|---|")
+    print("| model | variant | packed | tokens/s | peak GiB | step ms | first step s | first losses |")
+    print("|---|---|---|---|---|---|---|---|")
     for r in rows:
         if "error" in r:
-            print(f"| {r['model']} | {r['variant']} | error: {r['error'][:120]} | | | | |")
+            print(f"| {r['model']} | {r['variant']} | {r.get('packed')} | error: {r['error'][:120]} | | | | |")
         else:
-            print(f"| {r['model']} | {r['variant']} | {r['tokens_per_s']:.0f} | {r['peak_gib']:.1f} | "
+            print(f"| {r['model']} | {r['variant']} | {r['packed']} | {r['tokens_per_s']:.0f} | {r['peak_gib']:.1f} | "
                   f"{r['step_ms']:.0f} | {r['first_step_s']:.1f} | {', '.join(f'{x:.4f}' for x in r['losses'][:3])} |")
+    if args.packing_compare:  # issue [packing]'s targets: packed within 3% of unpacked, peak no higher
+        done = {(r["model"], r["variant"], r["packed"]): r for r in rows if "error" not in r}
+        for (model_name, variant, packed), r in done.items():
+            u = done.get((model_name, variant, False))
+            if packed and u is not None:
+                ratio = r["tokens_per_s"] / u["tokens_per_s"]
+                print(f"{model_name} {variant}: packed / unpacked tokens/s {ratio:.3f}, "
+                      f"peak {r['peak_gib']:.2f} vs {u['peak_gib']:.2f} GiB")
     for r in rows:
         if r.get("profile") and "error" in r["profile"]:
             print(f"profile {r['model']} {r['variant']}: {r['profile']['error']}")
