@@ -374,10 +374,23 @@ def test_sdpa_backend_matches_explicit_math(window):
     assert va.resolve_backend(leaves[0], leaves[2]) == "sdpa"  # auto on the CPU
 
 
+@pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
+def test_flex_backend_document_mask_matches_explicit_math():
+    # FlexAttention has no backward on the CPU: its forward checks the document mask, the window and GQA here
+    lengths = (5, 1, 12, 3)
+    seqs = va.sequences_from_lengths(lengths, batch=1)
+    g = torch.Generator().manual_seed(2)
+    q, k, v = (torch.randn(sum(lengths), h, 8, generator=g) for h in (4, 2, 2))
+    for window in (None, 4):
+        with torch.no_grad():
+            out = va.varlen_attention(q, k, v, seqs, window=window, backend="flex")
+        ref = va.varlen_attention_reference(q.double(), k.double(), v.double(), seqs, window=window)
+        assert relative_error(out, ref) <= 1e-5, window
+
+
 def test_sequences_are_the_ones_transformers_finds():
     from transformers.masking_utils import find_packed_sequence_indices
 
-    g = torch.Generator().manual_seed(1)
     rows = [torch.cat([torch.arange(n) + s for n, s in ((3, 0), (1, 0), (4, 7), (5, 0))]),
             torch.arange(13) + 2,  # one sequence, starting at position 2 (a row continuing another)
             torch.cat([torch.arange(6), torch.arange(7)])]
@@ -392,7 +405,6 @@ def test_sequences_are_the_ones_transformers_finds():
     assert va.packed_sequences(torch.arange(9)[None].expand(3, -1)) is None  # nothing restarts: not packed
     shared = va.packed_sequences(torch.tensor([[0, 1, 0, 1, 2]]), batch_size=2)  # [1, S] shared by 2 rows
     assert shared.lengths == (2, 3, 2, 3) and shared.batch == 2
-    del g
 
 
 def test_bad_inputs_are_errors():
