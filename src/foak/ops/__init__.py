@@ -2,7 +2,8 @@
 autograd/custom-op glue and the public function. No transformers import anywhere below this package.
 
 The losses are imported from their modules (foak.ops.cross_entropy, foak.ops.linear_cross_entropy) and
-not re-exported here, so those module names keep pointing at the modules."""
+not re-exported here, so those module names keep pointing at the modules; likewise ``gptq_matmul`` (the
+function lives in foak.ops.gptq_matmul, whose name stays the module's)."""
 
 from foak.ops.activations import geglu, geglu_reference, glu, glu_reference, swiglu, swiglu_reference
 from foak.ops.glu_linear import glu_linear, glu_linear_reference
@@ -14,7 +15,7 @@ from foak.ops.gptq import (
     gptq_group_index,
     gptq_quantize_rtn,
 )
-from foak.ops.gptq_matmul import gptq_linear, gptq_matmul, gptq_matmul_reference
+from foak.ops.gptq_matmul import gptq_linear, gptq_matmul_reference
 from foak.ops.lora import lora_dropout_mask, lora_linear, lora_linear_reference, lora_linears
 from foak.ops.lora_glu_linear import lora_glu_linear, lora_glu_linear_reference
 from foak.ops.moe import moe_experts, moe_experts_reference
@@ -36,7 +37,6 @@ __all__ = [
     "gptq_error_report",
     "gptq_group_index",
     "gptq_linear",
-    "gptq_matmul",
     "gptq_matmul_reference",
     "gptq_quantize_rtn",
     "lora_dropout_mask",
