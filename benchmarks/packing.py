@@ -193,18 +193,21 @@ def measure(name, seqs, window, shape, dtype, device, reps, ref):
         if name == "flex":
             row["mask_ms"] = None  # the block mask is built inside the first call, once per batch
         if name != "unpacked":  # unpacked rows compute another attention pattern
-            got = (out.detach(), q.grad, k.grad, v.grad)
-            errors = [rel_max_error(a, b) for a, b in zip(got, ref(q, k, v, dout))]
+            errors = [rel_max_error(a, b) for a, b in zip((out.detach(), q.grad, k.grad, v.grad), ref(q, k, v, dout))]
             row["err"] = dict(zip(("out", "dq", "dk", "dv"), errors))
             row["check"] = "ok" if max(errors) <= (TOLERANCE if dtype != torch.float32 else 1e-4) else "FAIL"
+        del out
+        for t in (q, k, v):
+            t.grad = None
         if device.type == "cuda":
             from foak.bench.measure import event_median_ms
 
+            sync()
             before = torch.cuda.memory_allocated()
             torch.cuda.reset_peak_memory_stats()
             call()
             sync()
-            row["extra_MiB"] = (torch.cuda.max_memory_allocated() - before) / 2**20
+            row["extra_MiB"] = (torch.cuda.max_memory_allocated() - before) / 2**20  # incl. the grads it leaves
             row["ms"] = event_median_ms(call, reps=reps, warmup=2)
         else:
             start = time.perf_counter()
