@@ -238,7 +238,8 @@ def foak_attention_forward(module: nn.Module, query: torch.Tensor, key: torch.Te
         entry.counts.count(None, reason)
         return out
     B, Hq, S, D = query.shape
-    q = query.transpose(1, 2).reshape(B * S, Hq, D)  # a view for one row (padding-free), else one copy
+    # views when the memory is laid out [B, S, H, D] (as HF's projections and RoPE leave it), else one copy
+    q = query.transpose(1, 2).reshape(B * S, Hq, D)
     k = key.transpose(1, 2).reshape(B * S, key.shape[1], key.shape[3])
     v = value.transpose(1, 2).reshape(B * S, value.shape[1], value.shape[3])
     device_type = query.device.type
