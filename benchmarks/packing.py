@@ -2,7 +2,7 @@
 attention shapes, on the same packed sequences, against what transformers runs today and the same tokens
 unpacked.
 
-    python benchmarks/packing.py [--out DIR] [--reps N] [--shapes 1b 8b] [--window W]   # CUDA
+    python benchmarks/packing.py [--out DIR] [--reps N] [--shapes 1b 8b 1b-flat] [--window W] [--tag T]  # CUDA
     python benchmarks/packing.py --cpu-smoke                                           # CPU, tiny shapes
 
 Shapes (bf16): ``1b`` Hq=32, Hkv=8, D=64, 4 rows x 4096; ``8b`` Hq=32, Hkv=8, D=128, 2 rows x 4096 (the
@@ -259,6 +259,7 @@ def main() -> int:
     parser.add_argument("--window", type=int, default=None, help="also each shape with this sliding window")
     parser.add_argument("--candidates", nargs="*", default=list(CANDIDATES), choices=list(CANDIDATES))
     parser.add_argument("--cpu-smoke", action="store_true", help="CPU, tiny fp32 shapes: the code paths and checks")
+    parser.add_argument("--tag", default="", help="suffix of the result file name (packing_h200[_TAG].json)")
     args = parser.parse_args()
     if args.cpu_smoke:
         device, dtype, shapes, window = torch.device("cpu"), torch.float32, SMOKE_SHAPES, args.window or 7
@@ -280,7 +281,7 @@ def main() -> int:
               "reps": args.reps, "rows": rows}
     if not args.cpu_smoke:
         Path(args.out).mkdir(parents=True, exist_ok=True)
-        path = Path(args.out) / "packing_h200.json"
+        path = Path(args.out) / f"packing_h200{'_' + args.tag if args.tag else ''}.json"
         path.write_text(json.dumps(result, indent=1))
         print(f"wrote {path}")
     print("| shape | window | candidate | ms fwd+bwd | extra MiB | first s | max rel err | check / error |")
