@@ -27,7 +27,11 @@ and the default config's fused_lora takes them.
 Output goes through Python logging (logger ``foak``, to stdout; ``--log_level``). The patch report is logged
 before training and again after it, when the ``fused_lora`` row holds the call counts (fused calls, calls
 that took PEFT's own forward and why). The summary counts exactly the micro-batches trained (tokens/s), and
-its first loss is step 1's own loss (not a logging-interval mean)."""
+its first loss is step 1's own loss (not a logging-interval mean).
+
+Under ``torchrun`` or ``accelerate launch`` (DDP, or FSDP2 through accelerate's FSDP plugin or ``--fsdp
+--fsdp_config``; README: Several GPUs) every rank builds and patches its own model before the Trainer wraps
+it; rank 0 alone logs the patch report and the summary, whose token counts are all ranks' together."""
 
 from __future__ import annotations
 
@@ -259,7 +263,12 @@ def setup_logging(log_level: str = "passive") -> None:
     for handler in [h for h in logger.handlers if isinstance(h, _StdoutHandler)]:
         logger.removeHandler(handler)
     logger.addHandler(_StdoutHandler())
-    logger.setLevel(LOG_LEVELS.get(log_level, logging.INFO))
+    level = LOG_LEVELS.get(log_level, logging.INFO)
+    from foak.integrations.accelerate import is_main_process
+
+    if not is_main_process():  # under torchrun / accelerate launch: the report and summary from rank 0 only
+        level = max(level, logging.WARNING)
+    logger.setLevel(level)
     logger.propagate = False
 
 
@@ -551,6 +560,17 @@ def plot_loss(log_history, path: Path, title: str) -> str:
     return title
 
 
+def _tokens_of_all_ranks(trainer) -> tuple[int, int]:
+    """(tokens trained by every process together, number of processes): under DDP / FSDP each rank counts
+    its own micro-batches."""
+    tokens = trainer.foak_tokens
+    world = trainer.args.world_size
+    if world > 1:
+        tokens = torch.as_tensor(tokens, device=trainer.args.device).reshape(1).long()
+        torch.distributed.all_reduce(tokens)
+    return int(tokens), world
+
+
 def _peak_memory_gib() -> tuple[float, str]:
     if torch.cuda.is_available():
         return torch.cuda.max_memory_allocated() / 2**30, "GPU max allocated"
@@ -641,8 +661,7 @@ def train(argv: list[str]) -> dict:
     if report is not None:
         log.info(f"after training:\n{report}")  # the fused_lora row now counts the calls
     output_dir = Path(training_args.output_dir)
-    trainer.save_model(str(output_dir))
-    tokenizer.save_pretrained(str(output_dir))
+    trainer.save_model(str(output_dir))  # every rank (FSDP gathers the state dict); rank 0 writes
     step_losses = {s: float(v) for s, v in trainer.foak_step_losses.items()}
     first_step = min(step_losses, default=None)
     first_loss = step_losses[first_step] if first_step is not None else math.nan
@@ -658,17 +677,20 @@ def train(argv: list[str]) -> dict:
         final_loss, final_what = step_losses[max(step_losses)], f"step {max(step_losses)}"
     else:
         final_loss, final_what = math.nan, "no step"
-    title = plot_loss(trainer.state.log_history, output_dir / "loss_curve.png",
-                      _run_title(foak_args, training_args, source, None if report is None else config))
-    tokens = int(trainer.foak_tokens)
+    title = _run_title(foak_args, training_args, source, None if report is None else config)
+    if trainer.is_world_process_zero():
+        tokenizer.save_pretrained(str(output_dir))
+        plot_loss(trainer.state.log_history, output_dir / "loss_curve.png", title)
+    tokens, world = _tokens_of_all_ranks(trainer)
     peak, peak_kind = _peak_memory_gib()
-    summary = {"steps": result.global_step, "seconds": seconds, "tokens": tokens,
+    summary = {"steps": result.global_step, "seconds": seconds, "tokens": tokens, "world_size": world,
                "tokens_per_second": tokens / seconds, "peak_memory_gib": peak,
                "first_loss": first_loss, "final_loss": final_loss, "output_dir": str(output_dir),
                "plot_title": title, "log_history": trainer.state.log_history,
                "patch_report": None if report is None else str(report),
                "fused_lora": None if report is None else fused_lora_calls(report)}
-    log.info(f"done: {summary['steps']} steps in {seconds:.1f} s, {tokens} tokens, "
+    ranks = f" on {world} processes" if world > 1 else ""
+    log.info(f"done: {summary['steps']} steps{ranks} in {seconds:.1f} s, {tokens} tokens, "
              f"{summary['tokens_per_second']:.0f} tokens/s, peak memory {peak:.2f} GiB ({peak_kind}), loss "
              f"{first_loss:.3f} (step {first_step}) -> {final_loss:.3f} ({final_what}); model and loss_curve.png in "
              f"{output_dir}")

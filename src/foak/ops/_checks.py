@@ -2,14 +2,30 @@
 
 from __future__ import annotations
 
+import sys
+
 import torch
 
 FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
+def check_not_sharded(op: str, name: str, t: object) -> None:
+    """A DTensor (e.g. a parameter FSDP2's fully_shard holds sharded between forwards) is refused: its local
+    shard is not the tensor, and the kernels read raw memory. Inside the forward of the module that owns it
+    (or of an ancestor that fully_shard wrapped) FSDP2 hands out the gathered plain tensor."""
+    dtensor = getattr(sys.modules.get("torch.distributed.tensor"), "DTensor", None)  # no DTensor without it
+    if dtensor is not None and isinstance(t, dtensor):
+        raise ValueError(
+            f"{op}: {name} is a DTensor (placements {tuple(t.placements)}, local shard {tuple(t.to_local().shape)} "
+            f"of {tuple(t.shape)}), e.g. a parameter FSDP2 keeps sharded outside its module's forward; foak's ops "
+            "take plain tensors: call the op inside the forward of the module that owns the parameter (where "
+            "fully_shard has gathered it), or pass t.full_tensor()")
+
+
 def check_float_tensor(op: str, name: str, t: object, dtypes=FLOAT_DTYPES) -> None:
     if not isinstance(t, torch.Tensor):
         raise ValueError(f"{op}: {name} must be a torch.Tensor, got {type(t).__name__}")
+    check_not_sharded(op, name, t)
     if t.dtype not in dtypes:
         names = ", ".join(str(d).removeprefix("torch.") for d in dtypes)
         raise ValueError(f"{op}: {name} has dtype {t.dtype}; expected one of {names}")

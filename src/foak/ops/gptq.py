@@ -44,6 +44,7 @@ import triton
 import triton.language as tl
 
 from foak.backend import use_triton
+from foak.ops._checks import check_not_sharded
 from foak.ops._custom_op import custom_op
 
 OUTPUT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -215,6 +216,7 @@ def _is_int(v) -> bool:
 def _check_tensor(op, name, t, dtypes, dims, device, hint=""):
     if not isinstance(t, torch.Tensor):
         raise ValueError(f"{op}: {name} must be a torch.Tensor, got {type(t).__name__}")
+    check_not_sharded(op, name, t)
     if t.dtype not in dtypes:
         names = " or ".join(str(d) for d in dtypes)
         raise ValueError(f"{op}: {name} has dtype {t.dtype}; expected {names}. {hint}".rstrip())

@@ -37,6 +37,7 @@ import triton
 import triton.language as tl
 
 from foak.backend import use_triton
+from foak.ops._checks import check_not_sharded
 from foak.ops._custom_op import custom_op
 
 OUTPUT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -302,6 +303,8 @@ class NF4Weight:
     ):
         if isinstance(shape, (torch.Size, Sequence)) and len(shape) != 2:
             raise ValueError(f"NF4Weight: shape must be 2-D [out_features, in_features], got {tuple(shape)}")
+        for name, t in (("packed", packed), ("absmax", absmax), ("nested_absmax", nested_absmax)):
+            check_not_sharded("NF4Weight", name, t)
         self._args = _prepare(packed, absmax, shape, dtype, code, blocksize, nested_absmax, nested_code,
                               nested_blocksize, offset)
         self.shape = torch.Size(self._args[2])

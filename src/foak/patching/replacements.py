@@ -235,13 +235,14 @@ def rope_rule(arch: str, attention_class: type, function_name: str = "apply_rota
 
 
 # ---- loss --------------------------------------------------------------------------------------------
-# fused_linear_loss: while a patched causal LM computes a training loss (labels given, grad enabled),
-# its lm_head passes the hidden states through unchanged and its loss_function receives them in place of
-# the logits (after any elementwise scaling the model applies, e.g. Granite's division by
-# logits_scaling, which commutes with the LM head's matmul). The loss is then foak's
-# linear_cross_entropy on (hidden, lm_head.weight): the [tokens, vocab] logits never exist, and the
-# output's ``logits`` is None. Without labels, or without grad (evaluation wants logits), the model runs
-# unchanged. "While" is a per-model, per-thread flag (a _ThreadFlag in the rule's closure).
+# fused_linear_loss: while a patched causal LM computes a training loss (labels given, grad enabled), its
+# lm_head computes the loss itself, inside its own forward: foak's linear_cross_entropy on (hidden,
+# lm_head.weight) with the labels the causal LM's forward received (a per-thread _LossRequest), and
+# returns it; the model's loss_function receives that tensor (divided by Granite's logits_scaling, which the
+# head has already applied to its logits) and returns it as the loss. So the [tokens, vocab] logits never
+# exist, the output's ``logits`` is None, and the head's weight is read only where a wrapper that shards it
+# (FSDP2, FSDP1, ZeRO-3) has gathered it: inside the head's call. Without labels, or without grad
+# (evaluation wants logits), the model runs unchanged.
 # The loss runs at the end of the forward, while every saved activation is alive, so its transient chunk
 # adds to the step's peak. 512 MiB chunks (vs the op's 112 MiB default) measured +2.4% tokens/s on the
 # Llama-1B-dims step and +3.5% on Llama-8B-dims for +0.3-0.4 GiB peak (benchmarks/results/train_step_h200_explore.json).
@@ -294,15 +295,64 @@ def _hf_loss_arguments(labels, shift_labels, ignore_index):
     return labels, True
 
 
-def fused_linear_loss_rule(arch: str, causal_lm_class: type) -> Rule:
+class _LossRequest(threading.local):
+    """Per thread: the loss arguments of the patched training forward in progress (None outside one), and
+    the loss the LM head computed from them."""
+
+    def __init__(self):
+        self.args = None
+        self.loss = None
+
+
+def _same(a, b) -> bool:
+    """The same tensor object, or equal plain values."""
+    return a is b or (not isinstance(a, torch.Tensor) and not isinstance(b, torch.Tensor) and a == b)
+
+
+def _follows_from(logits, loss, divisor) -> bool:
+    """``logits`` (what the model handed its loss function) is the head's ``loss`` itself or, for an
+    architecture that divides its logits (``divisor``), ``loss / divisor``: nothing else happened between the
+    head and the loss that the fused head would have had to apply."""
+    if logits is loss or not loss.requires_grad:
+        return logits is loss or divisor is not None
+    fn = getattr(logits, "grad_fn", None)
+    return (divisor is not None and fn is not None and type(fn).__name__ == "DivBackward0"
+            and any(next_fn is loss.grad_fn for next_fn, _ in fn.next_functions))
+
+
+def fused_linear_loss_rule(arch: str, causal_lm_class: type, logits_divisor: str | None = None) -> Rule:
+    """The loss runs inside the LM head's own forward (its ``__call__``), with the labels the causal LM's
+    forward received: whatever gathers the head's parameters around its forward (FSDP2's ``fully_shard``,
+    with or without ``reshard_after_forward``; FSDP1; DeepSpeed ZeRO-3) has them gathered for the loss and
+    releases them right after it, and the backward passes through the head's own hooks. The head returns
+    the loss; the model's loss function returns that same tensor. ``logits_divisor``: the config attribute by
+    which the architecture divides its logits before the loss (Granite's ``logits_scaling``), applied inside
+    the loss; anything else between head and loss is an error."""
+
     def patch(model_module, model, state):
         # model_module is the causal LM itself (model may be a wrapper around it, e.g. a PeftModel)
         lm_head = model_module.lm_head
         head_forward = lm_head.forward
-        passthrough = _ThreadFlag()  # on: inside this model's training forward, on this thread
+        request = _LossRequest()
+        divisor = float(getattr(model_module.config, logits_divisor)) if logits_divisor else None
 
         def lm_head_forward(hidden_states):
-            return hidden_states if passthrough.on else head_forward(hidden_states)
+            if request.args is None:
+                return head_forward(hidden_states)
+            if request.loss is not None:
+                raise RuntimeError("foak fused_linear_loss: lm_head was called twice in one training forward")
+            labels, shift_labels, ignore_index, num_items_in_batch = request.args
+            target, shift = _hf_loss_arguments(labels, shift_labels, ignore_index)
+            weight = lm_head.weight  # read now: inside the head's forward, gathered if it is sharded
+            hidden = hidden_states.to(weight.dtype)  # the head's own dtype, as nn.Linear requires
+            if not shift:
+                hidden = hidden.reshape(-1, hidden.shape[-1])
+                target = target.reshape(-1)
+            request.loss = linear_cross_entropy(
+                hidden, weight, target.to(hidden.device), lm_head.bias, shift=shift, ignore_index=ignore_index,
+                num_items_in_batch=num_items_in_batch, logits_scaling=divisor or 1.0,
+                chunk_bytes=fused_loss_chunk_bytes(weight))
+            return request.loss
 
         state.set_forward(lm_head, lm_head_forward)
         for hook in FUSED_HEAD_HOOKS:  # e.g. TRL's own fused head, which skips lm_head and the loss
@@ -310,17 +360,23 @@ def fused_linear_loss_rule(arch: str, causal_lm_class: type) -> Rule:
 
         def loss_function(logits, labels, vocab_size=None, num_items_in_batch=None, ignore_index=-100,
                           shift_labels=None, **kwargs):
-            if not passthrough.on:
+            if request.args is None:
                 raise RuntimeError("foak fused_linear_loss: loss_function called outside a patched forward")
-            target, shift = _hf_loss_arguments(labels, shift_labels, ignore_index)
-            hidden = logits.to(lm_head.weight.dtype)  # the model may have upcast its "logits"
-            if not shift:
-                hidden = hidden.reshape(-1, hidden.shape[-1])
-                target = target.reshape(-1)
-            return linear_cross_entropy(hidden, lm_head.weight, target.to(hidden.device), lm_head.bias,
-                                        shift=shift, ignore_index=ignore_index,
-                                        num_items_in_batch=num_items_in_batch,
-                                        chunk_bytes=fused_loss_chunk_bytes(lm_head.weight))
+            loss = request.loss
+            if loss is None:
+                raise RuntimeError("foak fused_linear_loss: the model computed its loss without calling lm_head")
+            given = (labels, shift_labels, ignore_index, num_items_in_batch)
+            if not all(_same(a, b) for a, b in zip(given, request.args)):
+                raise RuntimeError(
+                    "foak fused_linear_loss: the model called its loss with other labels / shift_labels / "
+                    "ignore_index / num_items_in_batch than its forward received, which lm_head used; disable "
+                    "fused_linear_loss for this model")
+            if not torch.compiler.is_compiling() and not _follows_from(logits, loss, divisor):
+                raise RuntimeError(
+                    f"foak fused_linear_loss: {type(model_module).__name__} changed lm_head's output before its "
+                    "loss in a way foak's fused head does not apply (a transformers version foak does not "
+                    "know?); disable fused_linear_loss (use fast_loss)")
+            return loss
 
         original_loss = model_module.loss_function
         _set_loss_function(model_module, state, loss_function)
@@ -342,12 +398,14 @@ def fused_linear_loss_rule(arch: str, causal_lm_class: type) -> Rule:
                     return original_forward(*args, **kwargs)
                 finally:
                     model_module.loss_function = loss_function
-            previous = passthrough.on
-            passthrough.on = True
+            previous = request.args, request.loss
+            request.args = (kwargs["labels"], kwargs.get("shift_labels"), kwargs.get("ignore_index", -100),
+                            kwargs.get("num_items_in_batch"))
+            request.loss = None
             try:
                 out = original_forward(*args, **kwargs)
             finally:
-                passthrough.on = previous
+                request.args, request.loss = previous
             if isinstance(out, tuple):  # return_dict=False: (loss, logits, ...)
                 return (out[0], None, *out[2:])
             out["logits"] = None  # they were never computed
@@ -377,13 +435,15 @@ def loss_rule(arch: str, causal_lm_class: type) -> Rule:
     return Rule(f"{arch}.loss", "loss", Trigger(causal_lm_class), patch)
 
 
-def causal_lm_rules(arch: str, causal_lm_class: type) -> list[Rule]:
-    return [loss_rule(arch, causal_lm_class), fused_linear_loss_rule(arch, causal_lm_class)]
+def causal_lm_rules(arch: str, causal_lm_class: type, logits_divisor: str | None = None) -> list[Rule]:
+    return [loss_rule(arch, causal_lm_class), fused_linear_loss_rule(arch, causal_lm_class, logits_divisor)]
 
 
-def decoder_rules(arch: str, modeling, prefix: str, gated_mlp: bool = True) -> list[Rule]:
+def decoder_rules(arch: str, modeling, prefix: str, gated_mlp: bool = True, logits_divisor: str | None = None
+                  ) -> list[Rule]:
     """The rules of a Llama-like decoder whose modeling module defines <prefix>RMSNorm, <prefix>Model,
-    <prefix>Attention, <prefix>MLP (when gated_mlp) and <prefix>ForCausalLM."""
+    <prefix>Attention, <prefix>MLP (when gated_mlp) and <prefix>ForCausalLM. ``logits_divisor``: the config
+    attribute the causal LM divides its logits by before the loss (Granite's ``logits_scaling``)."""
     rules = [rms_norm_rule(arch, getattr(modeling, f"{prefix}RMSNorm")),
              rms_norm_recompute_rule(arch, getattr(modeling, f"{prefix}Model")),
              rope_rule(arch, getattr(modeling, f"{prefix}Attention"))]
@@ -391,5 +451,5 @@ def decoder_rules(arch: str, modeling, prefix: str, gated_mlp: bool = True) -> l
         rules.append(glu_mlp_rule(arch, getattr(modeling, f"{prefix}MLP")))
     from foak.patching.packed_attention import packed_attention_rule  # its stack wrapper goes around the others
 
-    return [*rules, *causal_lm_rules(arch, getattr(modeling, f"{prefix}ForCausalLM")),
+    return [*rules, *causal_lm_rules(arch, getattr(modeling, f"{prefix}ForCausalLM"), logits_divisor),
             packed_attention_rule(arch, getattr(modeling, f"{prefix}Model"))]
