@@ -17,6 +17,12 @@ runs the same steps from a scenario file.
     --gptq: the same on a GPTQ-4bit base: every decoder projection a foak.quant GPTQLinear (round-to-nearest,
             group 128, symmetric, bf16 compute), LoRA through foak's GPTQLoraLinear (register_gptq_lora); the
             hf variant is then foak's unfused GPTQLinear path with PEFT (no other library runs this base)
+    --fsdp: FSDP2 with world size 1, so the FSDP2 code path runs on real kernels: each variant's process
+            initialises a 1-rank process group itself (NCCL on CUDA, gloo on CPU; MASTER_ADDR / MASTER_PORT from
+            the environment, else 127.0.0.1 and a free port; RANK=0, WORLD_SIZE=1) and, after the framework
+            patched the model, shards it as accelerate's FSDP2 plugin does (foak.integrations.accelerate
+            .shard_model: every decoder layer with reshard_after_forward, the final norm + lm_head as one unit
+            kept gathered after the forward, the root); the optimizer then steps the DTensor parameters
     --packing-compare: each variant on the packed rows and on the same number of tokens unpacked, in one call
             (tokens/s and peak of packed vs unpacked per variant at the end); variants ``foak-nopack`` (every
             foak switch but fast_packed_attention: transformers' dense block-causal mask) and ``foak:BACKEND``
@@ -26,6 +32,7 @@ runs the same steps from a scenario file.
             --variants hf foak foak-nopack liger --out DIR     # issue [packing]'s rows in one call
     python3 benchmarks/train_step.py --one llama1b foak      # a single variant (what the driver runs)
     python3 benchmarks/train_step.py --models tiny --variants hf foak --device cpu --out /tmp/x  # smoke
+    python3 benchmarks/train_step.py --models tiny --variants hf foak --device cpu --fsdp --out /tmp/x  # smoke
 """
 
 from __future__ import annotations
@@ -140,12 +147,47 @@ def experiment(model_name: str, variant: str, checkpointing: bool = False, packe
             "env": {}, "timeout_s": 1800}
 
 
+def init_one_rank_group(device: str) -> None:
+    """The world-size-1 process group FSDP2 needs: NCCL on CUDA, gloo on CPU."""
+    import socket
+
+    import torch.distributed as dist
+
+    if "MASTER_PORT" not in os.environ:
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            os.environ["MASTER_PORT"] = str(sock.getsockname()[1])
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
+    if device == "cuda":
+        torch.cuda.set_device(0)
+    dist.init_process_group("nccl" if device == "cuda" else "gloo", rank=0, world_size=1)
+
+
+def shard_after_framework(device: str) -> None:
+    """--fsdp: foak.bench.step runs the step loop; its apply_framework (patch with foak / Liger / nothing) is
+    wrapped, in this variant's own process only, so the patched model is then sharded by FSDP2."""
+    import foak.bench.step as step_module
+    from foak.integrations.accelerate import shard_model
+
+    apply_framework = step_module.apply_framework
+
+    def apply_then_shard(model, exp):
+        model, report = apply_framework(model, exp)
+        init_one_rank_group(device)
+        return shard_model(model), report
+
+    step_module.apply_framework = apply_then_shard
+
+
 def run_one(model_name: str, variant: str, checkpointing: bool = False, packed: bool = False,
             device: str = "cuda", profile: bool = False, autocast: bool = False, lora: bool = False,
-            qlora: bool = False, gptq: bool = False) -> dict:
+            qlora: bool = False, gptq: bool = False, fsdp: bool = False) -> dict:
     exp = experiment(model_name, variant, checkpointing, packed, device, autocast, lora, qlora, gptq)
     if variant.startswith("foak:"):  # this variant's own process: the packed-attention backend to use
         os.environ["FOAK_PACKED_ATTENTION"] = variant.partition(":")[2]
+    if fsdp:
+        shard_after_framework(device)
 
     def profiled(step, batches):
         try:
@@ -163,7 +205,8 @@ def run_one(model_name: str, variant: str, checkpointing: bool = False, packed: 
             "peak_gib": r["peak_allocated_gib"] if device == "cuda" else float("nan"),
             "peak_reserved_gib": r["peak_reserved_gib"], "first_step_s": r["first_step_s"], "losses": r["losses"],
             "patch_report": r["patch_report"],  # after the steps: with call counts
-            "profile": r["extra"]}
+            "profile": r["extra"],
+            "fsdp": "FSDP2, world size 1, foak.integrations.accelerate.shard_model" if fsdp else None}
 
 
 def main() -> int:
@@ -177,6 +220,7 @@ def main() -> int:
     parser.add_argument("--lora", action="store_true", help="PEFT LoRA r16 on every projection (bf16 base)")
     parser.add_argument("--qlora", action="store_true", help="PEFT LoRA r16 on a bitsandbytes NF4 base")
     parser.add_argument("--gptq", action="store_true", help="PEFT LoRA r16 on a foak GPTQ-4bit base")
+    parser.add_argument("--fsdp", action="store_true", help="FSDP2 fully_shard with world size 1 (see above)")
     parser.add_argument("--device", default="cuda", help="cpu: a smoke test of the code paths (use --models tiny)")
     parser.add_argument("--lce-chunk-mib", type=int, default=0,
                         help="foak: linear_cross_entropy's chunk budget (default: its TUNING value)")
@@ -203,11 +247,11 @@ def main() -> int:
             replacements.FUSED_LOSS_CHUNK_BYTES = args.lce_chunk_mib * 2**20  # what the patched model uses
         result = run_one(*args.one, checkpointing=args.checkpointing, packed=args.packed, device=args.device,
                          profile=args.profile, autocast=args.autocast, lora=args.lora, qlora=args.qlora,
-                         gptq=args.gptq)
+                         gptq=args.gptq, fsdp=args.fsdp)
         print("RESULT " + json.dumps(result), flush=True)
         return 0
     flags = [f for f, on in (("--checkpointing", args.checkpointing), ("--packed", args.packed),
-                             ("--autocast", args.autocast), ("--lora", args.lora), ("--qlora", args.qlora), ("--gptq", args.gptq),
+                             ("--autocast", args.autocast), ("--lora", args.lora), ("--qlora", args.qlora), ("--gptq", args.gptq), ("--fsdp", args.fsdp),
                              ("--profile", args.profile), ("--moe-recompute", args.moe_recompute)) if on]
     if args.lce_chunk_mib:
         flags += ["--lce-chunk-mib", str(args.lce_chunk_mib)]
