@@ -1,24 +1,27 @@
 """foak's patched models under DDP and FSDP2, on CPU: two gloo processes (one spawn for every check, see
 tests/distributed_utils.py) against one process, fp32.
 
-Each rank trains its half of a global batch for two SGD steps (one for the Triton case); the one-process reference trains the whole
-batch (every row has the same number of targets, so the mean of the ranks' mean losses is the batch's mean
-and the ranks' averaged gradients are its gradient). Checked per case: the loss of both steps and every
-trainable parameter's gradient of the first step (FSDP2: gathered with ``full_tensor``) within 1e-5 relative
-of the unpatched one-process model, for the patched and the unpatched distributed model; and that foak's
-rules ran (the fused loss inside the LM head's forward on the gathered weight, fused_lora's fused calls).
+Each rank trains its half of a global batch for two SGD steps (one for the Triton case); the one-process
+reference trains the whole batch (every row has the same number of targets, so the mean of the ranks' mean
+losses is the batch's mean and the ranks' averaged gradients are its gradient). Checked per case: the loss
+of both steps and every trainable parameter's gradient of the first step (FSDP2: gathered with
+``full_tensor``) within 1e-5 relative of the unpatched one-process model, for the patched and the unpatched
+distributed model; and that foak's rules ran (the fused loss inside the LM head's forward on the gathered
+weight, fused_lora's fused calls; its PEFT-path calls where FSDP wrapped a LoRA layer's linears).
 
 Backend: the ranks run foak's Triton kernels in Triton's CPU interpreter (TRITON_INTERPRET=1, which
-tests/conftest.py sets and the forked ranks inherit) for the plain Llama's FSDP2 / DDP cases, and foak's
-torch reference ops for the others (the interpreter runs there too, but its seconds per step would take the
-file past its minute); each case records the backend the patch report names and the test checks it.
+tests/conftest.py sets and the forked ranks inherit: it runs across processes) for the FSDP2 Llama case with
+reshard_after_forward (RMSNorm, SwiGLU, the fused loss; one step, one row per rank), and foak's torch reference
+ops for the others (the interpreter's seconds per step would take the file past its minute); each case
+records the backend the patch report names and the test checks it.
 
 Cases: a tiny Llama (hidden 64, 2 layers, vocab 301): DDP; FSDP2 with each decoder layer, the [final norm,
 lm_head] unit and the root sharded (accelerate's layout), reshard_after_forward True and False for the layers
 and the head's unit (True frees the head between its forward and the backward: the fused loss must read it
 inside the head's forward), a MixedPrecisionPolicy with fp32 params and bf16 params (the latter against the
 unpatched model under the same policy, both against fp32); patched after fully_shard instead of before. A
-tiny PEFT LoRA Llama (fused_lora), a LoRA Llama on a GPTQ-4bit base (foak.quant) and on a bitsandbytes NF4
+tiny PEFT LoRA Llama (fused_lora; also with every LoRA layer's base and adapter linears FSDP units of their
+own), a LoRA Llama on a GPTQ-4bit base (foak.quant) and on a bitsandbytes NF4
 base (its Params4bit kept out of sharding, quant_state intact), a tiny Mixtral (fast_moe, tied embeddings)."""
 
 from __future__ import annotations
