@@ -88,7 +88,7 @@ def test_a_model_of_yours_gets_every_kernel_by_default_and_none_is_the_baseline(
     patched = train([*args, "--output_dir", str(tmp_path / "a")])
     out = capsys.readouterr().out
     assert "foak kernels: every switch foak has for llama (fast_rms_layernorm, fast_rope_embeddings, fast_swiglu, " \
-           "fused_linear_loss)" in out
+           "fused_linear_loss, fast_packed_attention)" in out
     report = patched["patch_report"]
     for rule, modules in [("rms_norm", 5), ("rope", 2), ("swiglu", 2), ("fused_linear_loss", 1)]:
         assert re.search(rf"llama\.{rule} +{rule} +{modules} ", report), (rule, report)
