@@ -36,6 +36,7 @@ import triton
 import triton.language as tl
 
 from foak.backend import use_triton
+from foak.ops._checks import check_not_sharded
 from foak.ops.activations import ACTIVATIONS, _backward_launch, _forward_launch, glu_reference
 
 # recompute_h: the backward recomputes h = xs [G|U]^T (one more grouped GEMM, a third of the forward's FLOPs)
@@ -264,6 +265,8 @@ class _MoEExperts(torch.autograd.Function):
 # 5. public function -------------------------------------------------------------------------------
 def _check(hidden, top_k_index, top_k_weights, gate_up_proj, down_proj, activation):
     op = "moe_experts"
+    for name, t in (("hidden", hidden), ("gate_up_proj", gate_up_proj), ("down_proj", down_proj)):
+        check_not_sharded(op, name, t)
     for name, t in (("hidden", hidden), ("top_k_weights", top_k_weights), ("gate_up_proj", gate_up_proj),
                     ("down_proj", down_proj)):
         if not isinstance(t, torch.Tensor) or not t.is_floating_point():

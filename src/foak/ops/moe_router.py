@@ -30,6 +30,7 @@ import triton
 import triton.language as tl
 
 from foak.backend import use_triton
+from foak.ops._checks import check_not_sharded
 from foak.ops._custom_op import custom_op
 
 TUNING = {"block_t": 32, "warps": 4}
@@ -183,6 +184,7 @@ def moe_route(logits: torch.Tensor, k: int, renormalize: bool = True) -> tuple[t
         raise ValueError("moe_route: logits must be a 2-D fp32/bf16/fp16 tensor [tokens, experts], got "
                          + (f"{logits.dtype} {tuple(logits.shape)}" if isinstance(logits, torch.Tensor)
                             else type(logits).__name__))
+    check_not_sharded("moe_route", "logits", logits)
     E = logits.shape[1]
     if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= E:
         raise ValueError(f"moe_route: k must be an int in 1..{E} (the number of experts), got {k!r}")
