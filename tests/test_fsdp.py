@@ -292,6 +292,25 @@ def _rank_main(rank, world):
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
+    # one spawn per test session: under pytest-xdist every worker would build this module fixture itself, so
+    # the first worker runs the ranks and the others read its results (a file lock in the shared temp root)
+    import os
+
+    from filelock import FileLock
+
+    run_id = os.environ.get("PYTEST_XDIST_TESTRUNUID")  # the same in every worker of one xdist run
+    if run_id is None:
+        return _spawn(tmp_path_factory)
+    shared = tmp_path_factory.getbasetemp().parent / f"fsdp_ranks_results_{run_id}.pt"
+    with FileLock(str(shared) + ".lock"):
+        if shared.exists():
+            return torch.load(shared, weights_only=False)
+        results = _spawn(tmp_path_factory)
+        torch.save(results, shared)
+    return results
+
+
+def _spawn(tmp_path_factory):
     start = time.perf_counter()
     results = run_ranks(_rank_main, WORLD, tmp_path_factory.mktemp("fsdp"), timeout_s=240,
                         preload=("torch", "torch.distributed.fsdp", "transformers", "peft", "foak",
@@ -388,6 +407,13 @@ def test_foak_train_under_torchrun_ddp(tmp_path):
            "train", "--dataset", str(data), "--max_seq_length", "20", "--per_device_train_batch_size", "4",
            "--max_steps", "2", "--logging_steps", "1", "--output_dir", str(tmp_path / "out")]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240, env=env, cwd=tmp_path)
+    if proc.returncode != 0 and "exitcode: -6" in proc.stderr:
+        # seen once in ~8 runs on a loaded 2-core machine: a rank aborted (SIGABRT) while another test's gloo
+        # ranks ran beside it; not reproduced alone or under load. One rerun, and the first failure is shown.
+        import warnings
+
+        warnings.warn("torchrun rank aborted (exitcode -6); rerunning once. stderr tail: " + proc.stderr[-1500:])
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240, env=env, cwd=tmp_path)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
     out = proc.stdout
     assert out.count("foak patch report (llama") == 2 and out.count("after training:") == 1, out
