@@ -205,6 +205,28 @@ def test_compare_rules(tmp_path):
     assert read_csv(ref)[0]["experiment"] == "a"
 
 
+REFERENCE = Path(__file__).resolve().parents[1] / "benchmarks" / "results"
+
+
+def test_h200_reference_guards_regressions(tmp_path):
+    """The committed H200 reference of the headline scenario covers every experiment of the bundled file; its
+    rerun (same machine, same session) passes against it; a 12% slower foak row or 12% more memory fails."""
+    ref = REFERENCE / "bench_headline_h200" / "results.csv"
+    rows = read_csv(ref)
+    assert {r["experiment"] for r in rows} == {e["experiment"] for e in expand(load_scenario("headline"))}
+    assert all(r["status"] == "ok" for r in rows)
+    rerun = str(REFERENCE / "bench_headline_h200_rerun" / "results.csv")
+    assert cli_main(["bench", "compare", rerun, str(ref)]) == 0
+    doctored = read_csv(rerun)
+    for r in doctored:
+        if r["experiment"] == "llama8b-8l/b2xs4096/bf16/foak":
+            r["tokens_per_s"] = float(r["tokens_per_s"]) * 0.88
+        if r["experiment"] == "llama1b/b4xs4096/bf16/foak":
+            r["peak_allocated_gib"] = float(r["peak_allocated_gib"]) * 1.12
+    _, regressions = compare(_write(tmp_path / "slow.csv", doctored), str(ref))
+    assert regressions == 2
+
+
 def test_unavailable_framework_is_a_skipped_row(tmp_path):
     """A framework whose required module is missing runs nothing and is recorded as skipped."""
     from foak.bench.runner import run_scenario
