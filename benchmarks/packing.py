@@ -2,8 +2,8 @@
 attention shapes, on the same packed sequences, against what transformers runs today and the same tokens
 unpacked.
 
-    python benchmarks/packing.py [--out DIR] [--reps N] [--shapes 1b 8b 1b-flat] [--window W] [--tag T]  # CUDA
-    python benchmarks/packing.py --cpu-smoke                                           # CPU, tiny shapes
+    PYTHONPATH=src python benchmarks/packing.py [--out DIR] [--reps N] [--shapes 1b 8b 1b-flat] [--window W] [--tag T]  # CUDA
+    PYTHONPATH=src python benchmarks/packing.py --cpu-smoke                                         # CPU, tiny shapes
 
 Shapes (bf16): ``1b`` Hq=32, Hkv=8, D=64, 4 rows x 4096; ``8b`` Hq=32, Hkv=8, D=128, 2 rows x 4096 (the
 train_step.py rows); each row packs sequences of seq/16 .. seq/2 tokens (train_step.py's packed_inputs
@@ -43,12 +43,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-try:
-    import foak  # noqa: F401
-except ImportError:  # a source checkout without an install
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
-
-from foak.ops import varlen_attention as va  # noqa: E402
+from foak.bench.measure import environment, event_median_ms, peak_extra_mib
+from foak.ops import varlen_attention as va
 
 SHAPES = {"1b": dict(Hq=32, Hkv=8, D=64, B=4, S=4096), "8b": dict(Hq=32, Hkv=8, D=128, B=2, S=4096),
           # the 1b rows' sequences in one row, as padding-free collators (TRL, foak train --packing) give them
@@ -200,14 +196,7 @@ def measure(name, seqs, window, shape, dtype, device, reps, ref):
         for t in (q, k, v):
             t.grad = None
         if device.type == "cuda":
-            from foak.bench.measure import event_median_ms
-
-            sync()
-            before = torch.cuda.memory_allocated()
-            torch.cuda.reset_peak_memory_stats()
-            call()
-            sync()
-            row["extra_MiB"] = (torch.cuda.max_memory_allocated() - before) / 2**20  # incl. the grads it leaves
+            row["extra_MiB"] = peak_extra_mib(call, device)[0]  # incl. the grads it leaves
             row["ms"] = event_median_ms(call, reps=reps, warmup=2)
         else:
             start = time.perf_counter()
@@ -273,11 +262,8 @@ def main() -> int:
         rows += run_shape(name, shape, None, dtype, device, args.reps, args.candidates)
         if window is not None:
             rows += run_shape(name, shape, window, dtype, device, args.reps, args.candidates)
-    import transformers
-
     result = {"date_utc": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-              "gpu": torch.cuda.get_device_name() if device.type == "cuda" else "cpu (smoke test)",
-              "torch": torch.__version__, "transformers": transformers.__version__, "dtype": str(dtype),
+              "environment": environment(init_cuda=device.type == "cuda"), "dtype": str(dtype),
               "reps": args.reps, "rows": rows}
     if not args.cpu_smoke:
         Path(args.out).mkdir(parents=True, exist_ok=True)
