@@ -151,6 +151,34 @@ def test_bf16_with_identical_routing_matches_eager_experts(_restore_everything):
     assert moe_counts(report, "mixtral.moe") == (2, {})
 
 
+def test_fp16_autocast_with_grad_scaler_over_fp32_weights(_restore_everything):
+    """The fp16 users' setup: fp32 weights, fp16 autocast, GradScaler at 2**16. foak's unscaled gradients are
+    finite and as close to the fp32 step of the same model as HF's eager experts under the same autocast."""
+    model = build("mixtral", seed=1)
+    ref = eager_copy(model)
+    report = foak.patch(model, fast_moe=True)
+    _restore_everything.append(model)
+    inputs = batch()
+
+    def scaled_step(m):
+        m.zero_grad(set_to_none=True)
+        scaler = torch.amp.GradScaler("cpu", init_scale=2.0**16)
+        with torch.autocast("cpu", dtype=torch.float16):
+            loss = m(**inputs).loss
+        scaler.scale(loss).backward()
+        return loss.detach(), {n: p.grad / scaler.get_scale() for n, p in m.named_parameters() if p.grad is not None}
+
+    (loss, grads), (ref_loss, ref_grads) = scaled_step(model), scaled_step(ref)
+    fp32 = step(ref, inputs)
+    assert grads.keys() == ref_grads.keys() == fp32[2].keys()
+    assert all(torch.isfinite(g).all() for g in grads.values())
+    assert relative_error(loss, fp32[0]) <= 1e-3
+    ours = max(relative_error(g, fp32[2][n]) for n, g in grads.items())
+    eager = max(relative_error(g, fp32[2][n]) for n, g in ref_grads.items())
+    assert 0 < ours <= max(2 * eager, 1e-3), (ours, eager)
+    assert moe_counts(report, "mixtral.moe") == (2, {})
+
+
 def test_aux_loss_and_counts_over_several_forwards(_restore_everything):
     # evaluation forwards (no labels, no grad) run foak's experts too; the auxiliary loss reads HF's router
     model = build("granitemoe")
