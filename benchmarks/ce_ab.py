@@ -21,6 +21,7 @@ import torch
 
 def main() -> int:
     import foak
+    from foak.bench.measure import environment
     from foak.bench.measure import spin_median_ms as cuda_median_ms
 
     parser = argparse.ArgumentParser()
@@ -59,8 +60,7 @@ def main() -> int:
         for name, run in runs.items():
             times[name].append(cuda_median_ms(run, reps=args.reps))
     result = {"shape": [n, v], "dtype": "bfloat16", "ignored": "1/7", "max_abs_grad_difference": agree,
-              "ms_per_pass": times, "gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
-              "triton": __import__("triton").__version__}
+              "ms_per_pass": times, "environment": environment()}
     Path(args.out).mkdir(parents=True, exist_ok=True)
     (Path(args.out) / "ce_ab_h200.json").write_text(json.dumps(result, indent=1))
     print(f"max |grad - this tree's grad|: {agree}")

@@ -21,6 +21,7 @@ from pathlib import Path
 import torch
 
 import foak  # noqa: E402
+from foak.bench.measure import environment
 from foak.data import DEFAULT_CHARS, char_tokenizer  # noqa: E402
 
 STDLIB = ["argparse", "collections", "json", "os", "pathlib", "re", "string", "textwrap", "itertools",
@@ -90,9 +91,8 @@ def main() -> int:
     tail = {k: sum(v[-10:]) / len(v[-10:]) for k, v in curves.items()}
     rel = abs(tail["foak"] - tail["unpatched"]) / tail["unpatched"]
     result = {"date_utc": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-              "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
-              "backend": foak.backend.describe(device), "torch": torch.__version__,
-              "transformers": transformers.__version__, "corpus_characters": len(text), "steps": args.steps,
+              "environment": environment(init_cuda=device.type == "cuda"),
+              "backend": foak.backend.describe(device), "corpus_characters": len(text), "steps": args.steps,
               "final_loss_mean_last10": tail, "relative_difference": rel, "passed": rel <= 0.005,
               "curves": curves}
     out = Path(args.out)

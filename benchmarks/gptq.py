@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import functools
 import json
 import os
 import sys
@@ -35,8 +36,8 @@ if SMOKE:
 
 import torch
 
-from foak.bench.measure import event_median_ms as timed_ms  # noqa: E402  (CUDA-event median)
-from foak.bench.measure import graph_ms, install_interpreter_compat  # noqa: E402,F401  (gptq_matmul.py: graph_ms)
+from foak.bench.measure import CheckLog, environment, graph_ms, install_interpreter_compat, overridden
+from foak.bench.measure import event_median_ms as timed_ms  # CUDA-event median
 
 SHAPES = [(4096, 4096), (1024, 4096), (14336, 4096), (4096, 14336)]
 SMOKE_SHAPES = [(40, 136), (72, 264)]
@@ -66,8 +67,6 @@ def main() -> int:
         print("no CUDA device: run with --cpu-smoke for the CPU checks", file=sys.stderr)
         return 2
 
-    import triton
-
     from foak.ops import gptq as gptq_mod
     from foak.ops.gptq import (
         GPTQWeight,
@@ -82,20 +81,9 @@ def main() -> int:
     default_tuning = dict(gptq_mod.TUNING)
     device = "cpu" if SMOKE else "cuda"
     shapes = SMOKE_SHAPES if SMOKE else SHAPES
-    checks, rows, sweep = [], [], []
-
-    def check(name, ok, **extra):
-        checks.append({"check": name, "ok": bool(ok), **extra})
-        print(f"{'PASS' if ok else 'FAIL'} {name} {extra if extra else ''}", flush=True)
-
-    def with_tuning(tuning, fn):
-        old = dict(gptq_mod.TUNING)
-        gptq_mod.TUNING.update(tuning)
-        try:
-            return fn()
-        finally:
-            gptq_mod.TUNING.clear()
-            gptq_mod.TUNING.update(old)
+    checks, rows, sweep = CheckLog(), [], []
+    check = checks.check
+    with_tuning = functools.partial(overridden, gptq_mod.TUNING)  # with_tuning(changes, fn)
 
     def mismatches(got, expected):
         return int((got.view(torch.int16) != expected.view(torch.int16)).sum()) if got.shape == expected.shape \
@@ -180,8 +168,7 @@ def main() -> int:
             del packed, weight
         del w
 
-    meta = {"device": torch.cuda.get_device_name() if not SMOKE else "cpu (triton interpreter)",
-            "torch": torch.__version__, "triton": triton.__version__, "tuning": default_tuning, "reps": args.reps,
+    meta = {"environment": environment(init_cuda=not SMOKE), "tuning": default_tuning, "reps": args.reps,
             "tokens": args.tokens,
             "date_utc": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
     out_dir = Path(args.out)
@@ -206,8 +193,8 @@ def main() -> int:
                   f"| {r['kernel_ms']:.4f} | {r['kernel_GBps']:.0f} | {r['kernel_pct_of_copy']:.0f}% "
                   f"| {r['dequant_mm_ms']:.3f} | {r['mm_ms']:.3f} | {r['dequant_mm_over_mm']:.3f} "
                   f"| {r['rel_error']:.4f} |")
-    print(f"{sum(c['ok'] for c in checks)} of {len(checks)} checks passed")
-    return 0 if all(c["ok"] for c in checks) else 1
+    print(checks.summary())
+    return 0 if checks.all_ok else 1
 
 
 if __name__ == "__main__":

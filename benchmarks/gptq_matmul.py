@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import functools
 import itertools
 import json
 import os
@@ -32,7 +33,8 @@ if SMOKE:
 
 import torch
 
-from foak.bench.measure import graph_ms, install_interpreter_compat  # noqa: E402  (CUDA-graph per-call time)
+from foak.bench.measure import CheckLog, environment, install_interpreter_compat, overridden
+from foak.bench.measure import graph_ms  # CUDA-graph per-call time
 
 SHAPES = [(4096, 4096), (1024, 4096), (14336, 4096), (4096, 14336)]
 ROWS = [1, 8, 16, 32, 64, 128, 256, 1024, 8192]
@@ -66,8 +68,6 @@ def main() -> int:
     elif not torch.cuda.is_available():
         print("no CUDA device: run with --cpu-smoke for the CPU checks", file=sys.stderr)
         return 2
-    import triton
-
     import importlib
 
     mm_mod = importlib.import_module("foak.ops.gptq_matmul")  # the module: foak.ops.gptq_matmul is the function
@@ -76,20 +76,9 @@ def main() -> int:
 
     device = "cpu" if SMOKE else "cuda"
     default_tuning = dict(mm_mod.TUNING)
-    checks, sweep, rows_out = [], [], []
-
-    def check(name, ok, **extra):
-        checks.append({"check": name, "ok": bool(ok), **extra})
-        print(f"{'PASS' if ok else 'FAIL'} {name} {extra if extra else ''}", flush=True)
-
-    def with_tuning(tuning, fn):
-        old = dict(mm_mod.TUNING)
-        mm_mod.TUNING.update(tuning)
-        try:
-            return fn()
-        finally:
-            mm_mod.TUNING.clear()
-            mm_mod.TUNING.update(old)
+    checks, sweep, rows_out = CheckLog(), [], []
+    check = checks.check
+    with_tuning = functools.partial(overridden, mm_mod.TUNING)  # with_tuning(changes, fn)
 
     def weights(shape, act_order, seed):
         torch.manual_seed(seed)
@@ -168,8 +157,7 @@ def main() -> int:
                 del packed, weight, dense
                 torch.cuda.empty_cache()
 
-    meta = {"device": torch.cuda.get_device_name() if not SMOKE else "cpu (triton interpreter)",
-            "torch": torch.__version__, "triton": triton.__version__, "default_tuning": default_tuning,
+    meta = {"environment": environment(init_cuda=not SMOKE), "default_tuning": default_tuning,
             "date_utc": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -182,8 +170,8 @@ def main() -> int:
         for r in rows_out:
             print(f"| {r['shape']} | {'act-order' if r['act_order'] else 'plain'} | {r['rows']} | {r['fused_ms']:.4f} "
                   f"| {r['dequant_mm_ms']:.4f} | {r['dense_mm_ms']:.4f} | {r['fused_over_dequant_mm']:.2f} |")
-    print(f"{sum(c['ok'] for c in checks)} of {len(checks)} checks passed")
-    return 0 if all(c["ok"] for c in checks) else 1
+    print(checks.summary())
+    return 0 if checks.all_ok else 1
 
 
 if __name__ == "__main__":

@@ -22,6 +22,7 @@ from pathlib import Path
 
 import torch
 
+from foak.bench.measure import environment, peak_extra_mib
 from foak.bench.measure import event_median_ms as timed_ms  # CUDA-event median of fwd+bwd calls
 
 
@@ -183,11 +184,9 @@ def main() -> int:
                     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
                         runner(variant)()
                     row[f"{variant}_saved_MiB"] = sum(v for k, v in seen.items() if k not in inputs) / 2**20
-                    if not small:
-                        torch.cuda.reset_peak_memory_stats()
-                        base_mem = torch.cuda.memory_allocated()
-                        row[f"{variant}_ms"] = timed_ms(fwd_bwd(runner(variant)), reps=20)
-                        row[f"{variant}_peak_MiB"] = (torch.cuda.max_memory_allocated() - base_mem) / 2**20
+                    if not small:  # the peak over the timed calls, beyond what was allocated before them
+                        peak, row[f"{variant}_ms"] = peak_extra_mib(lambda: timed_ms(fwd_bwd(runner(variant)), reps=20))
+                        row[f"{variant}_peak_MiB"] = peak
                 if not small:
                     row["speedup"] = row["peft_ms"] / row["foak_ms"]
                 rows.append(row)
@@ -195,18 +194,7 @@ def main() -> int:
                 del block
                 if not small:
                     torch.cuda.empty_cache()
-    from importlib.metadata import version
-
-    import triton
-
-    def maybe(name):
-        try:
-            return version(name)
-        except Exception:
-            return None
-
-    meta = {"gpu": torch.cuda.get_device_name() if device == "cuda" else "cpu", "torch": torch.__version__,
-            "triton": triton.__version__, "peft": maybe("peft"), "bitsandbytes": maybe("bitsandbytes"),
+    meta = {"environment": environment(init_cuda=device == "cuda"),
             "date_utc": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
     Path(args.out).mkdir(parents=True, exist_ok=True)
     (Path(args.out) / "lora_h200.json").write_text(json.dumps({**meta, "checks": checks, "rows": rows}, indent=1))

@@ -369,7 +369,7 @@ def main() -> int:
         parser.error("no CUDA device; use --cpu-smoke with TRITON_INTERPRET=1")
     dev = "cpu" if smoke else "cuda"
     torch.manual_seed(0)
-    hdr = header(smoke) | {"python": sys.version.split()[0]}
+    hdr = header(smoke)  # its environment has the Python version
     if not smoke:
         hdr["gemm_bf16_8192_TFLOPs"] = gemm_tflops()
         log(f"{'gemm_bf16_8192_TFLOPs':>20}: {hdr['gemm_bf16_8192_TFLOPs']:.1f}")

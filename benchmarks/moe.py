@@ -33,8 +33,8 @@ if SMOKE:
 
 import torch
 
-from foak.bench.measure import event_median_ms as timed_ms  # noqa: E402  (CUDA-event median)
-from foak.bench.measure import install_interpreter_compat  # noqa: E402
+from foak.bench.measure import CheckLog, environment, install_interpreter_compat, peak_extra_mib
+from foak.bench.measure import event_median_ms as timed_ms  # CUDA-event median
 
 SHAPES = {"mixtral": dict(T=8192, E=8, k=2, H=4096, I=14336), "qwen3_moe": dict(T=16384, E=128, k=8, H=2048, I=768)}
 MEDIUM = dict(T=1024, E=8, k=2, H=1024, I=2048)
@@ -215,15 +215,9 @@ def main() -> int:
     elif not torch.cuda.is_available():
         print("no CUDA device: run with --cpu-smoke", file=sys.stderr)
         return 2
-    import transformers
-    import triton
-
     device = "cpu" if SMOKE else "cuda"
-    checks, rows = [], []
-
-    def check(name, ok, **extra):
-        checks.append({"check": name, "ok": bool(ok), **extra})
-        print(f"{'PASS' if ok else 'FAIL'} {name} {extra}", flush=True)
+    checks, rows = CheckLog(), []
+    check = checks.check
 
     names = ("out", "d_hidden", "d_weights", "d_gate_up", "d_down")
     # 1. checks ----------------------------------------------------------------------------------------
@@ -273,12 +267,7 @@ def main() -> int:
                 torch.cuda.synchronize()
                 first = time.perf_counter() - start
                 module.gate_up_proj.grad = module.down_proj.grad = None
-                torch.cuda.synchronize()
-                base = torch.cuda.memory_allocated()
-                torch.cuda.reset_peak_memory_stats()
-                fwd_bwd(fn, module, x, idx, w, dy)
-                torch.cuda.synchronize()
-                extra = (torch.cuda.max_memory_allocated() - base) / 2**20
+                extra = peak_extra_mib(lambda: fwd_bwd(fn, module, x, idx, w, dy))[0]
                 reps = args.reps if not (name == "loop" and shape["E"] > 16) else 3
                 ms = timed_ms(lambda: fwd_bwd(fn, module, x, idx, w, dy), reps=reps, warmup=2)
                 row = {"shape": shape_name, **shape, "variant": name, "ms": ms, "TFLOPs": flops / ms / 1e9,
@@ -288,8 +277,7 @@ def main() -> int:
                 del module, x, idx, w, dy, fn
                 torch.cuda.empty_cache()
 
-    meta = {"device": torch.cuda.get_device_name() if not SMOKE else "cpu (triton interpreter)",
-            "torch": torch.__version__, "triton": triton.__version__, "transformers": transformers.__version__,
+    meta = {"environment": environment(init_cuda=not SMOKE),
             "date_utc": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -303,8 +291,8 @@ def main() -> int:
         for r in rows:
             print(f"| {r['shape']} | {r['variant']} | {r['ms']:.2f} | {r['TFLOPs']:.0f} | {r['extra_MiB']:.0f} "
                   f"| {r['first_s']:.2f} |")
-    print(f"{sum(c['ok'] for c in checks)} of {len(checks)} checks passed")
-    return 0 if all(c["ok"] for c in checks) else 1
+    print(checks.summary())
+    return 0 if checks.all_ok else 1
 
 
 if __name__ == "__main__":

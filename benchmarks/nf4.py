@@ -28,8 +28,8 @@ if SMOKE:
 
 import torch
 
-from foak.bench.measure import event_median_ms as timed_ms  # noqa: E402  (CUDA-event median)
-from foak.bench.measure import install_interpreter_compat  # noqa: E402
+from foak.bench.measure import CheckLog, environment, install_interpreter_compat, overridden
+from foak.bench.measure import event_median_ms as timed_ms  # CUDA-event median
 
 SHAPES = [(4096, 4096), (1024, 4096), (14336, 4096), (4096, 14336)]
 SMOKE_SHAPES = [(37, 130), (129, 160)]
@@ -55,30 +55,18 @@ def main() -> int:
         print("no CUDA device: run with --cpu-smoke for the CPU checks", file=sys.stderr)
         return 2
 
-    from importlib.metadata import version
-
-    import bitsandbytes
     import bitsandbytes.functional as bnbf
-    import triton
 
     from foak.ops import nf4 as nf4_mod
     from foak.ops.nf4 import NF4Weight, nf4_dequantize, nf4_dequantize_reference
 
     device = "cpu" if SMOKE else "cuda"
     shapes = SMOKE_SHAPES if SMOKE else SHAPES
-    checks, rows = [], []
-
-    def check(name, ok, **extra):
-        checks.append({"check": name, "ok": bool(ok), **extra})
-        print(f"{'PASS' if ok else 'FAIL'} {name} {extra if extra else ''}", flush=True)
+    checks, rows = CheckLog(), []
+    check = checks.check
 
     def with_absmax_mode(mode, fn):
-        old = nf4_mod.TUNING["absmax"]
-        nf4_mod.TUNING["absmax"] = mode
-        try:
-            return fn()
-        finally:
-            nf4_mod.TUNING["absmax"] = old
+        return overridden(nf4_mod.TUNING, {"absmax": mode}, fn)
 
     for i, shape in enumerate(shapes):
         torch.manual_seed(i)
@@ -117,10 +105,7 @@ def main() -> int:
         if not SMOKE:
             torch.cuda.empty_cache()
 
-    meta = {"device": torch.cuda.get_device_name() if not SMOKE else "cpu (triton interpreter)",
-            "torch": torch.__version__, "triton": triton.__version__,
-            "bitsandbytes": getattr(bitsandbytes, "__version__", None) or version("bitsandbytes"),
-            "tuning": dict(nf4_mod.TUNING), "reps": args.reps,
+    meta = {"environment": environment(init_cuda=not SMOKE), "tuning": dict(nf4_mod.TUNING), "reps": args.reps,
             "date_utc": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -134,8 +119,8 @@ def main() -> int:
         for r in rows:
             print(f"| {r['shape']} | {r['bnb_ms']:.4f} | {r['foak_ms']:.4f} | {r['ratio_bnb_over_foak']:.2f} "
                   f"| {r['foak_weight_ms']:.4f} | {r['foak_torch_scales_ms']:.4f} | {r['foak_GBps']:.0f} |")
-    print(f"{sum(c['ok'] for c in checks)} of {len(checks)} checks passed")
-    return 0 if all(c["ok"] for c in checks) else 1
+    print(checks.summary())
+    return 0 if checks.all_ok else 1
 
 
 if __name__ == "__main__":

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import importlib.metadata
 import json
 import statistics
 import sys
@@ -21,10 +20,10 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-import triton
 
 import foak
 from foak.bench.measure import SPIN_CYCLES, copy_bandwidth  # noqa: F401  (loss.py imports them from here too)
+from foak.bench.measure import environment, peak_extra_mib
 from foak.bench.measure import spin_median_ms as cuda_median_ms
 from foak.ops import geglu_reference, rms_norm_reference, rope_reference, swiglu_reference
 
@@ -216,14 +215,7 @@ def timed_fwd_bwd(fn, ins, dys):
 
 def extra_peak_mib(fn, inputs0, dys0) -> float:
     ins, dys = fresh(inputs0, dys0)
-    torch.cuda.synchronize()
-    torch.cuda.reset_peak_memory_stats()
-    base = torch.cuda.memory_allocated()
-    result = timed_fwd_bwd(fn, ins, dys)  # outputs and grads stay alive until measured
-    torch.cuda.synchronize()
-    peak = torch.cuda.max_memory_allocated() - base
-    del result
-    return peak / MiB
+    return peak_extra_mib(lambda: timed_fwd_bwd(fn, ins, dys))[0]  # outputs and grads stay alive until measured
 
 
 def nbytes(*tensors) -> int:
@@ -386,19 +378,11 @@ def agreement(op, variants):
 
 # 3. report ----------------------------------------------------------------------------------------
 def header(smoke: bool) -> dict:
-    def version(dist):
-        try:
-            return importlib.metadata.version(dist)
-        except importlib.metadata.PackageNotFoundError:
-            return "n/a"
-
     h = {"date_utc": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-         "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else "none (cpu smoke)",
-         "torch": torch.__version__, "triton": triton.__version__, "foak": foak.__version__,
-         "transformers": version("transformers"), "liger_kernel": version("liger-kernel")}
+         "environment": environment(init_cuda=not smoke)}
     if not smoke:
         h["copy_bandwidth_GBps"] = copy_bandwidth() / 1e9
-    for k, v in h.items():
+    for k, v in {**h["environment"], **{k: v for k, v in h.items() if k != "environment"}}.items():
         log(f"{k:>20}: {v:.1f}" if isinstance(v, float) else f"{k:>20}: {v}")
     return h
 

@@ -30,7 +30,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from foak.bench.measure import event_median_ms as timed_ms  # noqa: E402,F401  (CUDA-event median)
+from foak.bench.measure import CheckLog, environment, peak_memory, reset_peak_memory
+from foak.bench.measure import event_median_ms as timed_ms  # CUDA-event median
 
 
 def rel(a, b):
@@ -43,11 +44,8 @@ def run_checks(device: str) -> list[dict]:
     from foak.ops.linear_cross_entropy import linear_cross_entropy
 
     small = device == "cpu"
-    rows = []
-
-    def record(name, ok, **numbers):
-        rows.append({"check": name, "ok": bool(ok), **numbers})
-        print(f"{'PASS' if ok else 'FAIL'} {name} {numbers}", flush=True)
+    rows = CheckLog()
+    record = rows.check
 
     torch.manual_seed(0)
     n, v = (16, 1031) if small else (512, 32768)
@@ -174,11 +172,8 @@ def run_model_checks(device: str) -> list[dict]:
 
     import foak
 
-    rows = []
-
-    def record(name, ok, **numbers):
-        rows.append({"check": name, "ok": bool(ok), **numbers})
-        print(f"{'PASS' if ok else 'FAIL'} {name} {numbers}", flush=True)
+    rows = CheckLog()
+    record = rows.check
 
     config = transformers.LlamaConfig(hidden_size=256, intermediate_size=704, num_hidden_layers=2,
                                       num_attention_heads=8, num_key_value_heads=4, vocab_size=4099,
@@ -292,8 +287,8 @@ def trl_one(model_name: str, variant: str, device: str) -> dict:
             if device == "cuda":
                 torch.cuda.synchronize()
             self.t0 = time.perf_counter()
-            if state.global_step == WARMUP and device == "cuda":
-                torch.cuda.reset_peak_memory_stats()
+            if state.global_step == WARMUP:
+                reset_peak_memory(device)  # a no-op on CPU
 
         def on_step_end(self, args, state, control, **kwargs):
             if device == "cuda":
@@ -312,7 +307,7 @@ def trl_one(model_name: str, variant: str, device: str) -> dict:
     logs = [r for r in trainer.state.log_history if "loss" in r]
     out = {"model": model_name, "variant": variant, "batch": batch, "seq": seq,
            "tokens_per_s": batch * seq * len(timed) / sum(timed), "step_ms": 1e3 * sum(timed) / len(timed),
-           "peak_gib": torch.cuda.max_memory_allocated() / 2**30 if device == "cuda" else float("nan"),
+           "peak_gib": peak_memory(device)["peak_allocated_gib"] if device == "cuda" else float("nan"),
            "losses": [r["loss"] for r in logs], "mean_token_accuracy": [r.get("mean_token_accuracy") for r in logs],
            "entropy": [r.get("entropy") for r in logs], "num_tokens": [r.get("num_tokens") for r in logs],
            "foak_fused_loss_calls_per_step": len(calls) / (WARMUP + TIMED) if variant == "foak" else None}
@@ -321,18 +316,9 @@ def trl_one(model_name: str, variant: str, device: str) -> dict:
     return out
 
 
-def versions() -> dict:
-    from importlib.metadata import PackageNotFoundError, version
-
-    found = {}
-    for name in ("torch", "triton", "transformers", "trl", "liger-kernel", "peft"):
-        try:
-            found[name] = version(name)
-        except PackageNotFoundError:
-            found[name] = None
-    found["gpu"] = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
-    found["date_utc"] = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
-    return found
+def versions(init_cuda: bool) -> dict:
+    return {"environment": environment(init_cuda=init_cuda),
+            "date_utc": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
 
 
 def main() -> int:
@@ -348,7 +334,8 @@ def main() -> int:
     if args.what in ("checks", "model"):
         rows = run_checks(args.device) if args.what == "checks" else run_model_checks(args.device)
         name = "real_world_checks_h200.json" if args.what == "checks" else "real_world_model_h200.json"
-        (Path(args.out) / name).write_text(json.dumps({**versions(), "rows": rows}, indent=1))
+        result = {**versions(init_cuda=args.device == "cuda"), "rows": rows}
+        (Path(args.out) / name).write_text(json.dumps(result, indent=1))
         print(f"{sum(r['ok'] for r in rows)} of {len(rows)} checks passed")
         return 0 if all(r["ok"] for r in rows) else 1
     if args.one:
@@ -364,7 +351,9 @@ def main() -> int:
         else:
             rows.append(json.loads(line[len("RESULT "):]))
         print(json.dumps({k: v for k, v in rows[-1].items() if k != "patch_report"}), flush=True)
-    (Path(args.out) / f"trl_step_h200_{args.model}.json").write_text(json.dumps({**versions(), "rows": rows}, indent=1))
+    # the variants ran in their own processes: this one needs no CUDA context for the GPU's name
+    result = {**versions(init_cuda=False), "rows": rows}
+    (Path(args.out) / f"trl_step_h200_{args.model}.json").write_text(json.dumps(result, indent=1))
     print("| variant | tokens/s | peak GiB | foak loss calls/step | losses | mean_token_accuracy | entropy |")
     print("|---|---|---|---|---|---|---|")
     for r in rows:

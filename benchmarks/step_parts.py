@@ -19,7 +19,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from foak.bench.measure import spin_median_ms as cuda_median_ms  # noqa: E402
+from foak.bench.measure import MiB, environment, peak_extra_mib
+from foak.bench.measure import spin_median_ms as cuda_median_ms
 
 from foak.ops._recompute import recomputing_outputs  # noqa: E402
 from foak.ops.activations import glu  # noqa: E402
@@ -43,13 +44,16 @@ def fwd_bwd_ms_and_mib(make, fn):
     ms = cuda_median_ms(run, prepare, warmup=5, reps=20)
     leaves, ins, dout = make()
     torch.cuda.synchronize()
-    base = torch.cuda.memory_allocated()
-    torch.cuda.reset_peak_memory_stats()
-    out = fn(*ins)
-    saved = torch.cuda.memory_allocated() - base  # what the forward leaves alive (output + saved)
-    torch.autograd.grad(out, leaves, dout)
-    peak = torch.cuda.max_memory_allocated() - base
-    return ms, saved / 2**20, peak / 2**20
+    base = torch.cuda.memory_allocated()  # what peak_extra_mib measures from too
+    saved = []
+
+    def fwd_then_bwd():
+        out = fn(*ins)
+        saved.append(torch.cuda.memory_allocated() - base)  # what the forward leaves alive (output + saved)
+        torch.autograd.grad(out, leaves, dout)
+
+    peak_mib, _ = peak_extra_mib(fwd_then_bwd)
+    return ms, saved[0] / MiB, peak_mib
 
 
 def mlp_down(tokens, hidden, inter):
@@ -148,10 +152,8 @@ def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", default="benchmarks/results")
     args = parser.parse_args()
-    import triton
-
     result = {"date_utc": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-              "gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
+              "environment": environment(),
               "timing": "CUDA events, median of 20 fwd+bwd after 5 warm-up", "parts": {}}
     parts = result["parts"]
     parts["mlp down T16384 H2048 I8192 (Llama-1B)"] = mlp_down(16384, 2048, 8192)

@@ -48,6 +48,7 @@ from pathlib import Path
 
 import torch
 
+from foak.bench.measure import environment
 from foak.bench.models import BUILTIN_MODELS
 from foak.bench.step import run_experiment
 
@@ -272,15 +273,11 @@ def main() -> int:
                     rows.append(json.loads(line[len("RESULT "):]))
                 print(json.dumps({k: v for k, v in rows[-1].items() if k not in ("patch_report", "profile")}),
                       flush=True)
-    import transformers
-    import triton
-
-    from foak.bench.measure import package_version
-
-    liger_version = package_version("liger-kernel")  # None when not installed: no liger rows either
-    result = {"liger_kernel": liger_version, "lce_chunk_mib": args.lce_chunk_mib or "default", "date_utc": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-              "gpu": torch.cuda.get_device_name() if args.device == "cuda" else "cpu (smoke test)", "torch": torch.__version__, "triton": triton.__version__,
-              "transformers": transformers.__version__, "warmup_steps": WARMUP, "timed_steps": TIMED, "rows": rows}
+    # the rows ran in their own processes: this one needs no CUDA context (environment's liger_kernel: None when
+    # not installed, no liger rows either)
+    result = {"environment": environment(init_cuda=False), "lce_chunk_mib": args.lce_chunk_mib or "default",
+              "date_utc": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+              "warmup_steps": WARMUP, "timed_steps": TIMED, "rows": rows}
     Path(args.out).mkdir(parents=True, exist_ok=True)
     suffix = "_" + "_".join(args.models)  # one file per set of models: runs do not overwrite each other
     suffix += "".join(f"_{f.lstrip('-')}" for f in flags if f.startswith("--") and f not in ("--profile", "--lce-chunk-mib"))

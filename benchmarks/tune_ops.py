@@ -15,6 +15,7 @@ import os
 
 import torch
 
+from foak.bench.measure import environment
 from foak.bench.measure import spin_median_ms as cuda_median_ms  # host launch overhead hidden
 
 import foak  # noqa: E402
@@ -100,7 +101,7 @@ def main():
     os.makedirs(args.out, exist_ok=True)
     name = "tune_h200.json" if not args.ops else f"tune_h200_{'_'.join(args.ops)}.json"
     with open(os.path.join(args.out, name), "w") as f:
-        json.dump({"gpu": torch.cuda.get_device_name(0), "torch": torch.__version__, "results": results}, f, indent=1)
+        json.dump({"environment": environment(), "results": results}, f, indent=1)
 
 
 if __name__ == "__main__":

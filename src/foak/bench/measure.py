@@ -12,6 +12,8 @@ GPU timers (CUDA events):
 Memory: :func:`peak_memory` (torch's allocated / reserved peaks on CUDA, the process's max RSS on CPU),
 :class:`SmiSampler` (nvidia-smi's view of the GPUs while a block runs, when nvidia-smi exists).
 Environment: :func:`environment` (GPU, driver, package versions, foak's git commit).
+Checks: :class:`CheckLog` (the pass/fail records the scripts' correctness checks write), :func:`overridden`
+(a call with a settings dict, e.g. an op's TUNING, changed for its duration).
 """
 
 from __future__ import annotations
@@ -306,6 +308,37 @@ def environment(init_cuda: bool = True) -> dict:
     env["foak"] = foak.__version__
     env["foak_commit"] = git_commit()
     return env
+
+
+# ---- correctness checks of the benchmark scripts --------------------------------------------------------
+class CheckLog(list):
+    """The records of a script's checks, one ``{"check": name, "ok": bool, **numbers}`` dict each (a list, so
+    that it is written to the result JSON as it is)."""
+
+    def check(self, name: str, ok, **numbers) -> bool:
+        """Record one check and print ``PASS|FAIL name numbers``; returns ``bool(ok)``."""
+        self.append({"check": name, "ok": bool(ok), **numbers})
+        print(f"{'PASS' if ok else 'FAIL'} {name} {numbers if numbers else ''}", flush=True)
+        return bool(ok)
+
+    @property
+    def all_ok(self) -> bool:
+        return all(c["ok"] for c in self)
+
+    def summary(self) -> str:
+        return f"{sum(c['ok'] for c in self)} of {len(self)} checks passed"
+
+
+def overridden(settings: dict, changes: dict, fn):
+    """``fn()`` with ``settings`` updated by ``changes`` while it runs; afterwards ``settings`` holds exactly
+    what it held before (also when fn raises)."""
+    old = dict(settings)
+    settings.update(changes)
+    try:
+        return fn()
+    finally:
+        settings.clear()
+        settings.update(old)
 
 
 # ---- CPU smoke runs of the benchmark scripts --------------------------------------------------------------
