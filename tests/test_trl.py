@@ -27,8 +27,8 @@ from foak.models.tiny import tiny_model
 from foak.patching import is_patched
 from foak.testing import relative_error
 
-TEXTS = ["the cat sees the ball.", "a dog likes two apples at home.", "1 2 3 4 5.", "our team calls the river.",
-         "seven small boats sail.", "rain falls on the hill."]
+# one step of batch 3 (the interpreter's time is per token: three short texts, of different lengths)
+TEXTS = ["the cat sees the ball.", "1 2 3 4 5.", "seven small boats sail."]
 ALL_KERNELS = {"fast_rms_layernorm": True, "fast_rope_embeddings": True, "fast_swiglu": True,
                "fused_linear_loss": True}
 # the interpreter's RoPE kernel takes most of a step's time here: the runs that are not about it leave it out
@@ -73,7 +73,7 @@ def _sft_step(tmp_path, patch: str, packing: bool = False, checkpointing: bool =
     start = {n: p.detach().clone() for n, p in model.named_parameters()}
     report = foak.patch(model, **kernels) if patch == "foak.patch" else None
     config = trl.SFTConfig(
-        output_dir=str(tmp_path), max_steps=1, per_device_train_batch_size=6, learning_rate=0.5, optim="sgd",
+        output_dir=str(tmp_path), max_steps=1, per_device_train_batch_size=len(TEXTS), learning_rate=0.5, optim="sgd",
         lr_scheduler_type="constant", max_grad_norm=1e9, report_to="none", save_strategy="no", seed=3,
         max_length=64, packing=packing, padding_free=packing, dataset_num_proc=None, logging_steps=1,
         **{"bf16": False, "gradient_checkpointing": checkpointing,  # TRL defaults: bf16 and checkpointing on
