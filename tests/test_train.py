@@ -12,7 +12,7 @@ from foak.patching import is_patched
 from foak.testing import relative_error
 from foak.train import train
 
-SMALL = ["--max_steps", "4", "--per_device_train_batch_size", "2", "--max_seq_length", "24", "--logging_steps", "1",
+SMALL = ["--max_steps", "4", "--per_device_train_batch_size", "2", "--max_seq_length", "16", "--logging_steps", "1",
          "--learning_rate", "1e-2", "--warmup_steps", "0"]
 
 
@@ -144,7 +144,7 @@ def test_qlora_nf4_quantizes_the_embedded_model_and_trains_with_the_default_conf
 
 def _examples():
     tokenizer = char_tokenizer()
-    texts = ["the cat sees the ball.", "a dog likes two apples at home.", "1 2 3 4 5.", "our team calls the river."]
+    texts = ["the cat sees the ball.", "a dog eats.", "1 2 3 4 5.", "we sail."]  # short: interpreter time
     return tokenize([{"text": t} for t in texts], tokenizer, 64), tokenizer
 
 
