@@ -6,15 +6,11 @@ The packed words include ones whose 16-bit halves (and whole 32 bits) are NaN an
 bf16 / fp16 / fp32: a float view of packed integers under a mixed-precision cast would canonicalise them."""
 
 import copy
-import multiprocessing
-import os
-import time
-import traceback
-from datetime import timedelta
 
 import pytest
 import torch
 import torch.nn.functional as F
+from distributed_utils import run_ranks
 from torch import nn
 
 from foak.ops.gptq import gptq_dequantize_reference
@@ -113,108 +109,78 @@ def _same_bits(a, b):
     return a.dtype == b.dtype and a.shape == b.shape and torch.equal(_bits(a), _bits(b))
 
 
-def _rank_main(rank, store_path, result_path):
-    try:
-        torch.set_num_threads(1)
-        from foak.backend import set_backend
+def _rank_main(rank, world):
+    """One rank: FSDP2 over the GPTQ net, reshard True and False (run_ranks joined the gloo group)."""
+    from foak.backend import set_backend
 
-        set_backend("reference")  # CPU: the reference ops (the kernels are tested elsewhere)
-        import torch.distributed as dist
-        from torch.distributed.device_mesh import init_device_mesh
-        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-        from torch.distributed.tensor import DTensor
+    set_backend("reference")  # CPU: the reference ops (the kernels are tested elsewhere)
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    from torch.distributed.tensor import DTensor
 
-        dist.init_process_group("gloo", init_method=f"file://{store_path}", rank=rank, world_size=WORLD,
-                                timeout=timedelta(seconds=60))
-        mesh = init_device_mesh("cpu", (WORLD,))
-        policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-        gen = torch.Generator().manual_seed(11)
-        xs = [torch.randn(15, 40, generator=gen) for _ in range(2)]  # two steps; 2-D: the output is no view
-        results = {}
-        for reshard in (True, False):
-            net = _Net()
-            original = {n: {k: getattr(m, k).clone() for k in PACKED} for n, m in _gptq_layers(net).items()}
-            ref = copy.deepcopy(net).to(torch.bfloat16)  # the single-process model, computing as under the policy
-            outs_ref, x_grads_ref = [], []
-            for x in xs:
-                x_ref = x.clone().requires_grad_(True)
-                out_ref = ref(x_ref.bfloat16())
-                out_ref.float().square().sum().backward()
-                outs_ref.append(out_ref.detach())
-                x_grads_ref.append(x_ref.grad)
-                if not x_grads_ref[1:]:
-                    head_grad_ref = ref.head.weight.grad.float()
+    mesh = init_device_mesh("cpu", (world,))
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    gen = torch.Generator().manual_seed(11)
+    xs = [torch.randn(15, 40, generator=gen) for _ in range(2)]  # two steps; 2-D: the output is no view
+    results = {}
+    for reshard in (True, False):
+        net = _Net()
+        original = {n: {k: getattr(m, k).clone() for k in PACKED} for n, m in _gptq_layers(net).items()}
+        ref = copy.deepcopy(net).to(torch.bfloat16)  # the single-process model, computing as under the policy
+        outs_ref, x_grads_ref = [], []
+        for x in xs:
+            x_ref = x.clone().requires_grad_(True)
+            out_ref = ref(x_ref.bfloat16())
+            out_ref.float().square().sum().backward()
+            outs_ref.append(out_ref.detach())
+            x_grads_ref.append(x_ref.grad)
+            if not x_grads_ref[1:]:
+                head_grad_ref = ref.head.weight.grad.float()
 
-            for block in net.blocks:
-                fully_shard(block, mesh=mesh, mp_policy=policy, reshard_after_forward=reshard)
-            fully_shard(net, mesh=mesh, mp_policy=policy, reshard_after_forward=reshard)
-            local = {}
-            for name, m in _gptq_layers(net).items():
-                params = {k: getattr(m, k) for k in ("qweight", "qzeros", SCALES_BITS, "g_idx")}
-                assert all(isinstance(p, DTensor) for p in params.values()), {k: type(p) for k, p in params.items()}
-                local[name] = {k: (p.to_local().clone(), tuple(p.shape)) for k, p in params.items()}
-            gathered = {name: [] for name in original}
+        for block in net.blocks:
+            fully_shard(block, mesh=mesh, mp_policy=policy, reshard_after_forward=reshard)
+        fully_shard(net, mesh=mesh, mp_policy=policy, reshard_after_forward=reshard)
+        local = {}
+        for name, m in _gptq_layers(net).items():
+            params = {k: getattr(m, k) for k in ("qweight", "qzeros", SCALES_BITS, "g_idx")}
+            assert all(isinstance(p, DTensor) for p in params.values()), {k: type(p) for k, p in params.items()}
+            local[name] = {k: (p.to_local().clone(), tuple(p.shape)) for k, p in params.items()}
+        gathered = {name: [] for name in original}
 
-            def record(name):
-                def hook(module, args):
-                    seen = {k: getattr(module, k).clone() for k in PACKED}
-                    seen["types"] = {type(getattr(module, k)).__name__ for k in PACKED}
-                    gathered[name].append(seen)
-                return hook
+        def record(name):
+            def hook(module, args):
+                seen = {k: getattr(module, k).clone() for k in PACKED}
+                seen["types"] = {type(getattr(module, k)).__name__ for k in PACKED}
+                gathered[name].append(seen)
+            return hook
 
-            for name, m in _gptq_layers(net).items():
-                m.register_forward_pre_hook(record(name))
-            outs, x_grads = [], []
-            for x in xs:  # the second step reuses each layer's GPTQWeight over the re-gathered storage
-                x_fsdp = x.clone().requires_grad_(True)
-                out = net(x_fsdp)
-                after_forward_plain = [not isinstance(m.qweight, DTensor) for m in _gptq_layers(net).values()]
-                out.float().square().sum().backward()
-                outs.append(out.detach())
-                x_grads.append(x_fsdp.grad)
-                if not x_grads[1:]:
-                    head_grad = net.head.weight.grad.full_tensor()
-            state = {k: (v.full_tensor() if isinstance(v, DTensor) else v).clone() for k, v in net.state_dict().items()}
-            results[reshard] = {
-                "original": original, "local": local, "gathered": gathered, "outs": outs, "outs_ref": outs_ref,
-                "x_grads": x_grads, "x_grads_ref": x_grads_ref, "head_grad": head_grad,
-                "head_grad_ref": head_grad_ref, "after_forward_plain": after_forward_plain,
-                "state": state, "ref_state": ref.state_dict(),
-                "trainable": sorted(n for n, p in net.named_parameters() if p.requires_grad),
-            }
-        dist.destroy_process_group()
-        torch.save(results, result_path)
-    except BaseException:
-        with open(result_path + ".err", "w") as f:
-            f.write(traceback.format_exc())
-        raise
+        for name, m in _gptq_layers(net).items():
+            m.register_forward_pre_hook(record(name))
+        outs, x_grads = [], []
+        for x in xs:  # the second step reuses each layer's GPTQWeight over the re-gathered storage
+            x_fsdp = x.clone().requires_grad_(True)
+            out = net(x_fsdp)
+            after_forward_plain = [not isinstance(m.qweight, DTensor) for m in _gptq_layers(net).values()]
+            out.float().square().sum().backward()
+            outs.append(out.detach())
+            x_grads.append(x_fsdp.grad)
+            if not x_grads[1:]:
+                head_grad = net.head.weight.grad.full_tensor()
+        state = {k: (v.full_tensor() if isinstance(v, DTensor) else v).clone() for k, v in net.state_dict().items()}
+        results[reshard] = {
+            "original": original, "local": local, "gathered": gathered, "outs": outs, "outs_ref": outs_ref,
+            "x_grads": x_grads, "x_grads_ref": x_grads_ref, "head_grad": head_grad,
+            "head_grad_ref": head_grad_ref, "after_forward_plain": after_forward_plain,
+            "state": state, "ref_state": ref.state_dict(),
+            "trainable": sorted(n for n, p in net.named_parameters() if p.requires_grad),
+        }
+    return results
 
 
 @pytest.fixture(scope="module")
 def fsdp_results(tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("fsdp")
-    # forkserver: the children fork from a fresh server that imported torch and foak once (a plain fork of
-    # the test process would inherit its autograd and OpenMP threads' state; spawn would import twice)
-    ctx = multiprocessing.get_context("forkserver")
-    ctx.set_forkserver_preload(["torch", "torch.distributed.fsdp", "foak.quant.gptq", __name__])
-    paths = [str(tmp / f"rank{r}.pt") for r in range(WORLD)]
-    procs = [ctx.Process(target=_rank_main, args=(r, str(tmp / "store"), paths[r]), daemon=True)
-             for r in range(WORLD)]
-    deadline = time.monotonic() + TIMEOUT_S
-    for p in procs:
-        p.start()
-    for p in procs:
-        p.join(max(0.0, deadline - time.monotonic()))
-    hung = [r for r, p in enumerate(procs) if p.is_alive()]
-    for p in procs:
-        if p.is_alive():
-            p.kill()
-            p.join(5)
-    errors = {r: open(p + ".err").read() for r, p in enumerate(paths) if os.path.exists(p + ".err")}
-    assert not hung, f"ranks {hung} did not finish within {TIMEOUT_S} s; errors: {errors}"
-    assert all(p.exitcode == 0 for p in procs) and not errors, \
-        f"exit codes {[p.exitcode for p in procs]}; errors: {errors}"
-    return [torch.load(p, weights_only=False) for p in paths]
+    return run_ranks(_rank_main, WORLD, tmp_path_factory.mktemp("fsdp"), timeout_s=TIMEOUT_S,
+                     preload=("torch", "torch.distributed.fsdp", "foak.quant.gptq"))
 
 
 @pytest.mark.parametrize("reshard", [True, False])
