@@ -70,7 +70,7 @@ def main() -> int:
         return 2
     import importlib
 
-    mm_mod = importlib.import_module("foak.ops.gptq_matmul")  # the module: foak.ops.gptq_matmul is the function
+    mm_mod = importlib.import_module("foak.ops.gptq_matmul")
     from foak.ops.gptq import GPTQWeight, gptq_quantize_rtn
     from foak.ops.gptq_matmul import gptq_matmul
 

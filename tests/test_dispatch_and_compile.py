@@ -23,7 +23,7 @@ def test_auto_uses_triton_under_the_interpreter():
 
 def test_reference_backend_runs_the_reference(restore_backend, monkeypatch):
     calls = []
-    module = importlib.import_module("foak.ops.rms_norm")  # the package attribute is the function
+    module = importlib.import_module("foak.ops.rms_norm")
 
     monkeypatch.setattr(module, "_forward_launch", lambda *a: calls.append(a))
     foak.set_backend("reference")
@@ -38,6 +38,21 @@ def test_forced_triton_without_gpu_or_interpreter_is_an_error(restore_backend, m
     foak.set_backend("triton")
     with pytest.raises(ValueError, match="needs a CUDA device or TRITON_INTERPRET=1"):
         foak.rms_norm(torch.randn(3, 8), torch.randn(8))
+
+
+@pytest.mark.parametrize(
+    "name", ["rms_norm", "rope", "glu_linear", "lora_glu_linear", "cross_entropy", "linear_cross_entropy",
+             "activations", "lora", "nf4", "gptq", "gptq_matmul", "moe", "moe_router", "varlen_attention"])
+def test_foak_ops_names_are_the_modules_and_top_level_names_the_functions(name):
+    import types
+
+    import foak.ops
+
+    module = importlib.import_module(f"foak.ops.{name}")
+    assert isinstance(module, types.ModuleType)
+    assert getattr(foak.ops, name) is module
+    if name in foak.__all__:
+        assert callable(getattr(foak, name)) and getattr(foak, name) is getattr(module, name)
 
 
 def test_unknown_backend_names_are_errors(monkeypatch):

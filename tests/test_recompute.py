@@ -6,7 +6,8 @@ import pytest
 import torch
 from torch.utils.checkpoint import checkpoint
 
-from foak.ops import _recompute, rms_norm
+from foak.ops import _recompute
+from foak.ops.rms_norm import rms_norm
 from foak.ops._recompute import recomputing_outputs
 
 
