@@ -138,8 +138,31 @@ def test_qlora_nf4_quantizes_the_embedded_model_and_trains_with_the_default_conf
     assert (tmp_path / "adapter_config.json").exists()
     counts = summary["fused_lora"]
     assert counts["modules"] == 14 and "14 bitsandbytes NF4 Linear4bit" in counts["notes"], counts
-    # 2 steps x 14 layers, each forward twice (prepare_model_for_kbit_training turns on gradient checkpointing)
+    # 2 steps x 14 layers, each forward twice (qlora-nf4 turns on gradient checkpointing unless told not to)
     assert counts["fused"] == 2 * 14 * 2 and counts["peft_path"] == 0, counts
+    assert summary["gradient_checkpointing"] is True
+
+
+def test_gradient_checkpointing_follows_the_users_choice(tmp_path):
+    from foak.train import parse_arguments
+
+    def checkpointing(*argv):
+        return parse_arguments(list(argv))[1].gradient_checkpointing
+
+    # not given: on for qlora-nf4 only; given (either name, either spelling, with or without a value): the user's
+    assert checkpointing("--peft", "qlora-nf4") is True and checkpointing("--peft", "lora") is False
+    assert checkpointing("--peft", "qlora-nf4", "--gradient_checkpointing", "false") is False
+    assert checkpointing("--peft", "qlora-nf4", "--activation-checkpointing=no") is False
+    assert checkpointing("--peft", "lora", "--gradient-checkpointing") is True
+    foak.set_backend("reference")  # the flag is under test, not the kernels
+    try:
+        off = train([*TINY, "--peft", "qlora-nf4", "--gradient_checkpointing", "false", "--output_dir", str(tmp_path)])
+        on = train([*TINY, "--peft", "lora", "--gradient_checkpointing", "--output_dir", str(tmp_path)])
+    finally:
+        foak.set_backend("auto")
+    # 2 steps x 14 LoRA layers: one forward each without checkpointing, two with it
+    assert off["gradient_checkpointing"] is False and off["fused_lora"]["fused"] == 2 * 14, off["fused_lora"]
+    assert on["gradient_checkpointing"] is True and on["fused_lora"]["fused"] == 2 * 14 * 2, on["fused_lora"]
 
 
 def _examples():

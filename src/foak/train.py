@@ -162,7 +162,35 @@ def parse_arguments(argv: list[str]):
         raise ValueError(f"--torch_dtype must be one of {', '.join(DTYPE_CHOICES)}, got {foak_args.torch_dtype!r}")
     if foak_args.acceleration_config is not None and foak_args.acceleration_config.lower() == "none":
         foak_args.acceleration_config = "none"
+    resolve_gradient_checkpointing(argv, foak_args, training_args)
     return foak_args, training_args
+
+
+def _given_checkpointing(argv: list[str]) -> bool | None:
+    """--gradient_checkpointing / --activation_checkpointing (transformers' new name for it) as the command line
+    gives it (either spelling, with or without a value), None when neither is given. The parsed
+    TrainingArguments cannot tell: their __post_init__ turns "not given" into False."""
+    from transformers.hf_argparser import string_to_bool
+
+    pre = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
+    pre.error = _usage_error
+    for name in ("gradient_checkpointing", "activation_checkpointing"):
+        pre.add_argument(f"--{name}", f"--{name.replace('_', '-')}", type=string_to_bool, nargs="?", const=True)
+    known, _ = pre.parse_known_args(argv)
+    return known.activation_checkpointing if known.activation_checkpointing is not None else \
+        known.gradient_checkpointing
+
+
+def resolve_gradient_checkpointing(argv: list[str], foak_args, training_args) -> None:
+    """Gradient checkpointing as the user asked; not asked: on for --peft qlora-nf4 (a QLoRA run is one that
+    saves memory: the quantized base leaves the activations as the largest part), off otherwise (HF's default).
+    Sets TrainingArguments' flag, so the Trainer turns it on (non-reentrant) or leaves it off."""
+    given = _given_checkpointing(argv)
+    on = given if given is not None else foak_args.peft == "qlora-nf4"
+    training_args.activation_checkpointing = training_args.gradient_checkpointing = bool(on)
+    if on and not training_args.activation_checkpointing_kwargs:
+        training_args.activation_checkpointing_kwargs = {"use_reentrant": False}
+        training_args.gradient_checkpointing_kwargs = training_args.activation_checkpointing_kwargs
 
 
 # ---- --help ---------------------------------------------------------------------------------------------
@@ -181,7 +209,8 @@ COMMON_TRAINING_ARGUMENTS = {
     "optim": "optimizer: adamw_torch_fused, adamw_torch, sgd, ...",
     "bf16": "bf16 autocast over the weights (fp32 unless --torch_dtype)",
     "fp16": "fp16 autocast with a GradScaler over the weights (fp32 unless --torch_dtype)",
-    "gradient_checkpointing": "recompute the layers' activations in the backward (less memory)",
+    "gradient_checkpointing": "recompute the layers' activations in the backward (less memory); default off, "
+                              "on with --peft qlora-nf4 (--gradient_checkpointing false turns it off)",
     "seed": "seeds python, numpy and torch before the model and adapters are built",
     "logging_steps": "log the mean loss every N steps",
     "log_level": "debug, info, warning, error: foak's logging and transformers' (passive: foak info)",
@@ -414,7 +443,10 @@ def load_model_and_tokenizer(foak_args, training_args, source=None):
     return model, tokenizer, str(source)
 
 
-def apply_peft(model, foak_args):
+def apply_peft(model, foak_args, gradient_checkpointing: bool = False):
+    """PEFT's LoRA over ``model`` for --peft lora / qlora-nf4 (the model itself for none). For qlora-nf4,
+    PEFT's prepare_model_for_kbit_training turns gradient checkpointing on only when ``gradient_checkpointing``
+    (the run's resolved --gradient_checkpointing)."""
     if foak_args.peft == "none":
         return model
     from torch import nn
@@ -437,7 +469,8 @@ def apply_peft(model, foak_args):
 
     if foak_args.peft == "qlora-nf4":
         model = peft.prepare_model_for_kbit_training(
-            model, gradient_checkpointing_kwargs={"use_reentrant": False})
+            model, use_gradient_checkpointing=gradient_checkpointing,
+            gradient_checkpointing_kwargs={"use_reentrant": False})
     config = peft.LoraConfig(r=foak_args.lora_r, lora_alpha=foak_args.lora_alpha,
                              lora_dropout=foak_args.lora_dropout, target_modules=foak_args.target_modules,
                              task_type="CAUSAL_LM")
@@ -583,6 +616,8 @@ def _run_title(foak_args, training_args, source, config) -> str:
             "qlora-nf4": f"QLoRA NF4 r{foak_args.lora_r}"}[foak_args.peft]
     precision = {"bf16": "bf16 autocast", "fp16": "fp16 autocast", "no": "no autocast"}[
         _mixed_precision(training_args)]
+    if training_args.gradient_checkpointing:
+        precision += ", gradient checkpointing"
     if config is None:
         kernels = "baseline (no foak kernels)"
     else:
@@ -594,8 +629,9 @@ def _run_title(foak_args, training_args, source, config) -> str:
 def train(argv: list[str]) -> dict:
     """Run ``foak train`` with command-line ``argv``; returns the summary dict (with ``patch_report``, the
     report's text after training, and ``fused_lora``, see :func:`fused_lora_calls`, both None without foak;
-    ``log_history``, the Trainer's; ``first_loss``, step 1's own loss; ``final_loss``, the last logged one).
-    User errors are ValueErrors (the CLI prints them as one line)."""
+    ``log_history``, the Trainer's; ``first_loss``, step 1's own loss; ``final_loss``, the last logged one;
+    ``gradient_checkpointing``, whether the trained model checkpointed its layers). User errors are ValueErrors
+    (the CLI prints them as one line)."""
     import transformers
 
     import foak
@@ -637,7 +673,7 @@ def train(argv: list[str]) -> dict:
              + (f", {dataset.truncated} truncated to max_seq_length={foak_args.max_seq_length}" if dataset.truncated
                 else "") + ")")
     model.config.use_cache = False  # training needs no KV cache (and packing requires none)
-    model = apply_peft(model, foak_args)
+    model = apply_peft(model, foak_args, training_args.gradient_checkpointing)
     report = None
     if config is None:
         log.info("--acceleration_config none: training without foak's kernels (the baseline)")
@@ -652,8 +688,6 @@ def train(argv: list[str]) -> dict:
         report = foak.patch(model, config, mixed_precision=_mixed_precision(training_args))
         log.info(str(report))
     collator = PackingCollator() if foak_args.packing else PaddingCollator(tokenizer.pad_token_id)
-    if training_args.gradient_checkpointing:
-        training_args.gradient_checkpointing_kwargs = {"use_reentrant": False}
     trainer = _trainer_class()(model=model, args=training_args, train_dataset=dataset, data_collator=collator)
     start = time.perf_counter()
     result = trainer.train(resume_from_checkpoint=training_args.resume_from_checkpoint)
@@ -686,6 +720,8 @@ def train(argv: list[str]) -> dict:
     summary = {"steps": result.global_step, "seconds": seconds, "tokens": tokens, "world_size": world,
                "tokens_per_second": tokens / seconds, "peak_memory_gib": peak,
                "first_loss": first_loss, "final_loss": final_loss, "output_dir": str(output_dir),
+               "gradient_checkpointing": any(getattr(m, "gradient_checkpointing", False) is True
+                                             for m in model.modules()),
                "plot_title": title, "log_history": trainer.state.log_history,
                "patch_report": None if report is None else str(report),
                "fused_lora": None if report is None else fused_lora_calls(report)}
