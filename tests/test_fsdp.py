@@ -422,3 +422,11 @@ def test_foak_train_under_torchrun_ddp(tmp_path):
     done = re.search(r"\ndone: 2 steps on 2 processes in [\d.]+ s, (\d+) tokens", out)
     assert done is not None and int(done.group(1)) == 2 * 2 * 4 * 20, out
     assert (tmp_path / "out" / "config.json").exists() and (tmp_path / "out" / "loss_curve.png").exists()
+    # the summary's step-1 loss is HF's logged one (every rank's training_step value averaged), not rank 0's
+    # share of it (the ranks' texts differ, so their own losses do)
+    summary = json.loads((tmp_path / "out" / "train_summary.json").read_text())
+    logged = [h["loss"] for h in json.loads((tmp_path / "out" / "trainer_state.json").read_text())["log_history"]
+              if "loss" in h]
+    assert len(logged) == 2 and summary["steps"] == 2 and summary["world_size"] == 2, summary
+    assert abs(summary["first_loss"] - logged[0]) <= 1e-6 * abs(logged[0]), (summary["first_loss"], logged)
+    assert re.search(rf"loss {logged[0]:.3f} \(step 1\) -> {logged[1]:.3f} \(step 2\)", out), (logged, out)

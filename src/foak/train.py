@@ -27,7 +27,9 @@ and the default config's fused_lora takes them.
 Output goes through Python logging (logger ``foak``, to stdout; ``--log_level``). The patch report is logged
 before training and again after it, when the ``fused_lora`` row holds the call counts (fused calls, calls
 that took PEFT's own forward and why). The summary counts exactly the micro-batches trained (tokens/s), and
-its first loss is step 1's own loss (not a logging-interval mean).
+its first loss is step 1's own loss (not a logging-interval mean), averaged over the ranks as HF's logged
+loss is. Rank 0 writes it to ``train_summary.json`` in the output directory, beside HF's
+``trainer_state.json``.
 
 Under ``torchrun`` or ``accelerate launch`` (DDP, or FSDP2 through accelerate's FSDP plugin or ``--fsdp
 --fsdp_config``; README: Several GPUs) every rank builds and patches its own model before the Trainer wraps
@@ -549,8 +551,10 @@ def _trainer_class():
     from transformers import Trainer
 
     class FoakTrainer(Trainer):
-        """HF Trainer that counts the tokens of every micro-batch it trains and keeps the loss of the first
-        and of the latest optimizer step (the sum of its micro-batches' losses, as HF's logged loss)."""
+        """HF Trainer that counts the tokens of every micro-batch it trains and keeps this rank's loss of the
+        first and of the latest optimizer step: the sum of its micro-batches' ``training_step`` values in fp32,
+        what HF adds to its logged loss (:func:`_step_losses_of_all_ranks` averages it over the ranks as HF's
+        logging does)."""
 
         def __init__(self, *args, **kwargs):
             super().__init__(*args, **kwargs)
@@ -568,7 +572,7 @@ def _trainer_class():
             else:
                 for old in sorted(losses)[1:]:  # keep the first step and the current one
                     del losses[old]
-                losses[step] = loss.detach().clone()
+                losses[step] = loss.detach().to(torch.float32, copy=True)  # HF's running loss is fp32 too
             return loss
 
     return FoakTrainer
@@ -602,6 +606,23 @@ def _tokens_of_all_ranks(trainer) -> tuple[int, int]:
         tokens = torch.as_tensor(tokens, device=trainer.args.device).reshape(1).long()
         torch.distributed.all_reduce(tokens)
     return int(tokens), world
+
+
+def _step_losses_of_all_ranks(trainer) -> dict[int, float]:
+    """The kept steps' losses as HF logs them. Each rank's ``training_step`` returns its own share: with
+    ``average_tokens_across_devices`` (HF's default) its token-loss sum over all ranks' tokens, times the world
+    size, so one rank alone is not the step's loss; HF's logging gathers every rank's value and takes the mean
+    (``nested_gather(tr_loss).mean()``), and so does this (a collective: every rank calls it)."""
+    from transformers.trainer_pt_utils import nested_gather
+
+    steps = sorted(trainer.foak_step_losses)
+    if not steps:
+        return {}
+    local = torch.stack([trainer.foak_step_losses[s].reshape(()) for s in steps])
+    gathered = nested_gather(local, trainer.args.parallel_mode)
+    if gathered.numel() != local.numel():  # [ranks * steps], rank-major
+        gathered = gathered.reshape(-1, local.numel()).mean(0)
+    return {s: float(v) for s, v in zip(steps, gathered.tolist())}
 
 
 def _peak_memory_gib() -> tuple[float, str]:
@@ -696,7 +717,7 @@ def train(argv: list[str]) -> dict:
         log.info(f"after training:\n{report}")  # the fused_lora row now counts the calls
     output_dir = Path(training_args.output_dir)
     trainer.save_model(str(output_dir))  # every rank (FSDP gathers the state dict); rank 0 writes
-    step_losses = {s: float(v) for s, v in trainer.foak_step_losses.items()}
+    step_losses = _step_losses_of_all_ranks(trainer)
     first_step = min(step_losses, default=None)
     first_loss = step_losses[first_step] if first_step is not None else math.nan
     # the last logged loss: the mean over the last logging interval (a run shorter than one interval: the last
@@ -725,10 +746,16 @@ def train(argv: list[str]) -> dict:
                "plot_title": title, "log_history": trainer.state.log_history,
                "patch_report": None if report is None else str(report),
                "fused_lora": None if report is None else fused_lora_calls(report)}
+    if trainer.is_world_process_zero():
+        import json
+
+        trainer.save_state()  # HF's trainer_state.json (its log_history holds the logged losses)
+        (output_dir / "train_summary.json").write_text(json.dumps(summary, indent=1) + "\n")
     ranks = f" on {world} processes" if world > 1 else ""
     log.info(f"done: {summary['steps']} steps{ranks} in {seconds:.1f} s, {tokens} tokens, "
              f"{summary['tokens_per_second']:.0f} tokens/s, peak memory {peak:.2f} GiB ({peak_kind}), loss "
-             f"{first_loss:.3f} (step {first_step}) -> {final_loss:.3f} ({final_what}); model and loss_curve.png in "
+             f"{first_loss:.3f} (step {first_step}) -> {final_loss:.3f} ({final_what}); model, loss_curve.png and "
+             f"train_summary.json in "
              f"{output_dir}")
     sys.stdout.flush()
     return summary
