@@ -198,7 +198,7 @@ def resolve_gradient_checkpointing(argv: list[str], foak_args, training_args) ->
 # ---- --help ---------------------------------------------------------------------------------------------
 # the TrainingArguments `foak train --help` shows, with foak's words; --help_all prints HF's help of all of them
 COMMON_TRAINING_ARGUMENTS = {
-    "output_dir": "where the model (or the adapter), the tokenizer and loss_curve.png go",
+    "output_dir": "where the model (or the adapter), the tokenizer, loss_curve.png and train_summary.json go",
     "max_steps": "optimizer steps to train (-1: num_train_epochs decides)",
     "num_train_epochs": "epochs over the dataset when max_steps is -1",
     "per_device_train_batch_size": "sequences per micro-batch",
