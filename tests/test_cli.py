@@ -405,7 +405,8 @@ def test_license_extras_and_readme_references():
     readme = (REPO / "README.md").read_text()
     files = subprocess.run(["git", "ls-files"], cwd=REPO, capture_output=True, text=True, check=True).stdout.split()
     files += [p.name for p in REPO.iterdir()]
-    user_files = {"config.json", "foak.yaml", "loss_curve.png", "data.jsonl", "pairs.jsonl"}
+    user_files = {"config.json", "foak.yaml", "loss_curve.png", "data.jsonl", "pairs.jsonl", "train_summary.json",
+                  "trainer_state.json", "foak_gptq_base.json"}
     missing = []
     for token in set(re.findall(r"[\w./<>*{},-]+\.(?:md|py|json|jsonl|png|log|yaml|txt|toml)\b", readme)):
         if token in user_files:
@@ -430,6 +431,47 @@ def _readme_block(heading: str, language: str) -> str:
     readme = (REPO / "README.md").read_text()
     section = readme.split(f"\n## {heading}\n", 1)[1]
     return section.split(f"```{language}\n", 1)[1].split("```", 1)[0]
+
+
+def test_the_readmes_gptq_recipe_trains_and_reloads_the_adapter(tmp_path, monkeypatch, reference):
+    """The README's GPTQ block as written, in a directory holding ./my-llama and data.jsonl; only the train call
+    gets --max_steps 2 and a larger learning rate (so that two steps move the adapter visibly)."""
+    import foak.train as foak_train
+
+    _save_tiny(tmp_path / "my-llama")
+    (tmp_path / "data.jsonl").write_text("".join(json.dumps({"text": f"{LINE} {i}"}) + "\n" for i in range(16)))
+    monkeypatch.chdir(tmp_path)
+    summaries = []
+    real_train = foak_train.train
+    monkeypatch.setattr(foak_train, "train", lambda argv: summaries.append(
+        real_train([*argv, "--max_steps", "2", "--learning_rate", "1e-2"])) or summaries[-1])
+    readme = (REPO / "README.md").read_text()
+    block = readme.split("\nLoRA on a GPTQ 4-bit checkpoint,", 1)[1].split("```python\n", 1)[1].split("```", 1)[0]
+    namespace = {}
+    exec(compile(block, "README.md (GPTQ block)", "exec"), namespace)
+    assert (tmp_path / "my-llama-gptq" / "tokenizer.json").is_file()  # save_gptq wrote the tokenizer
+    assert len(summaries) == 1 and summaries[0]["steps"] == 2
+    trained, model, trainable = summaries[0]["model"].eval(), namespace["model"], namespace["trainable"]
+    from foak.quant.gptq import GPTQLinear
+    from foak.quant.gptq_peft import GPTQLoraLinear
+
+    for m in (model, trainable):
+        assert type(m).__name__ == "PeftModelForCausalLM"
+        assert sum(isinstance(x, GPTQLoraLinear) for x in m.modules()) == 14
+        assert sum(isinstance(x, GPTQLinear) for x in m.modules()) == 14
+    ids = torch.tensor([char_tokenizer().encode(LINE)])
+    with torch.no_grad():
+        expected = trained(input_ids=ids).logits
+        reloaded = model(input_ids=ids).logits  # float32, as trained (foak_gptq_base.json)
+        with model.disable_adapter():
+            base_only = model(input_ids=ids).logits
+        explicit = trainable(input_ids=ids).logits  # bfloat16 base
+    assert reloaded.dtype == torch.float32 and not model.training
+    assert (reloaded - expected).abs().max() <= 1e-5 * expected.abs().max()
+    assert (base_only - expected).abs().max() > 1e-2 * expected.abs().max()  # the adapter matters
+    lora = [p for n, p in trainable.named_parameters() if "lora_" in n]
+    assert len(lora) == 28 and all(p.requires_grad for p in lora)
+    assert (explicit.float() - expected).abs().max() <= 3e-2 * expected.abs().max()  # bf16
 
 
 def test_the_readmes_training_examples_run_as_written(tmp_path, monkeypatch, capsys, reference):

@@ -3,6 +3,8 @@ GPTQ quantizer and written by save_gptq (with a character tokenizer), loaded thr
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 from safetensors.torch import load_file
@@ -10,7 +12,7 @@ from safetensors.torch import load_file
 from foak.cli import main
 from foak.data import char_tokenizer
 from foak.models.tiny import tiny_model
-from foak.quant import quantize_model_gptq, save_gptq
+from foak.quant import load_gptq, quantize_model_gptq, save_gptq
 from foak.train import train
 
 TINY = ["--max_steps", "2", "--per_device_train_batch_size", "1", "--max_seq_length", "12", "--logging_steps", "1",
@@ -20,8 +22,7 @@ TINY = ["--max_steps", "2", "--per_device_train_batch_size", "1", "--max_seq_len
 @pytest.fixture(scope="module")
 def gptq_dir(tmp_path_factory):
     path = tmp_path_factory.mktemp("tiny_gptq_cli")
-    save_gptq(quantize_model_gptq(tiny_model("llama"), group_size=32), path)
-    char_tokenizer().save_pretrained(path)
+    save_gptq(quantize_model_gptq(tiny_model("llama"), group_size=32), path, tokenizer=char_tokenizer())
     return path
 
 
@@ -42,6 +43,25 @@ def test_train_lora_on_a_gptq_checkpoint_runs_fused_lora_and_saves_an_adapter(gp
     assert len(adapter) == 14 * 2 and all("lora_A" in k or "lora_B" in k for k in adapter), sorted(adapter)
     # lora_B starts at zero: after two steps it has moved in every layer
     assert all(v.abs().max() > 0 for k, v in adapter.items() if "lora_B" in k)
+    # what load_gptq(out_dir) needs beside the adapter: the base and the dtype it trained in
+    record = json.loads((out_dir / "foak_gptq_base.json").read_text())
+    assert (record["base_model_name_or_path"], record["dtype"]) == (str(gptq_dir), "float32"), record
+    assert record["quantization_config"]["group_size"] == 32
+    reloaded = load_gptq(out_dir)
+    assert next(reloaded.parameters()).dtype == torch.float32
+    for name, tensor in adapter.items():  # PEFT's saved names lack the adapter name
+        loaded = reloaded.get_parameter(name.replace(".weight", ".default.weight"))
+        assert torch.equal(loaded, tensor), name
+    # a directory without an adapter, and an adapter whose recorded base has moved: one-line errors
+    with pytest.raises(ValueError, match=r"adapter .* has no adapter_config.json"):
+        load_gptq(gptq_dir, adapter=tmp_path)
+    moved = tmp_path / "moved"
+    moved.mkdir()
+    for name in ("adapter_config.json", "adapter_model.safetensors"):
+        (moved / name).write_bytes((out_dir / name).read_bytes())
+    (moved / "foak_gptq_base.json").write_text(json.dumps({**record, "base_model_name_or_path": str(tmp_path / "x")}))
+    with pytest.raises(ValueError, match=r"the base model .*/x that .* is not a directory .*load_gptq\(<gptq dir>"):
+        load_gptq(moved)
 
 
 def test_gptq_checkpoint_without_lora_is_an_error(gptq_dir, tmp_path):

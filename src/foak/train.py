@@ -22,7 +22,8 @@ One whose config.json has ``quantization_config.quant_method: gptq`` (e.g. writt
 :func:`foak.quant.save_gptq`) is loaded by :func:`foak.quant.load_gptq` (its 4-bit linears become foak's
 ``GPTQLinear``; transformers' own GPTQ path, which needs gptqmodel, is not used) and trained with ``--peft lora``
 only: PEFT wraps the GPTQ layers with foak's ``GPTQLoraLinear`` (:func:`foak.quant.gptq_peft.register_gptq_lora`)
-and the default config's fused_lora takes them.
+and the default config's fused_lora takes them. Beside the adapter goes ``foak_gptq_base.json`` (the base and
+the compute dtype): ``foak.quant.load_gptq(<output dir>)`` loads the trained model back.
 
 Output goes through Python logging (logger ``foak``, to stdout; ``--log_level``). The patch report is logged
 before training and again after it, when the ``fused_lora`` row holds the call counts (fused calls, calls
@@ -608,6 +609,20 @@ def _tokens_of_all_ranks(trainer) -> tuple[int, int]:
     return int(tokens), world
 
 
+def write_gptq_base(output_dir: Path, base: str, dtype: torch.dtype, quantization_config: dict) -> None:
+    """Beside an adapter trained on a GPTQ base: which base and compute dtype, so that
+    ``foak.quant.load_gptq(output_dir)`` rebuilds the trained model (PEFT's own loaders cannot: the GPTQ
+    layers need foak's loader and LoRA class)."""
+    import json
+
+    from foak.quant.gptq import GPTQ_BASE_NAME
+
+    record = {"base_model_name_or_path": base, "dtype": str(dtype).removeprefix("torch."),
+              "quantization_config": quantization_config,
+              "load_with": "foak.quant.load_gptq(<this directory>)"}
+    (output_dir / GPTQ_BASE_NAME).write_text(json.dumps(record, indent=1) + "\n")
+
+
 def _step_losses_of_all_ranks(trainer) -> dict[int, float]:
     """The kept steps' losses as HF logs them. Each rank's ``training_step`` returns its own share: with
     ``average_tokens_across_devices`` (HF's default) its token-loss sum over all ranks' tokens, times the world
@@ -651,8 +666,9 @@ def train(argv: list[str]) -> dict:
     """Run ``foak train`` with command-line ``argv``; returns the summary dict (with ``patch_report``, the
     report's text after training, and ``fused_lora``, see :func:`fused_lora_calls`, both None without foak;
     ``log_history``, the Trainer's; ``first_loss``, step 1's own loss; ``final_loss``, the last logged one;
-    ``gradient_checkpointing``, whether the trained model checkpointed its layers). User errors are ValueErrors
-    (the CLI prints them as one line)."""
+    ``gradient_checkpointing``, whether the trained model checkpointed its layers; ``model``, the trained
+    model, patched, not in ``train_summary.json``). User errors are ValueErrors (the CLI prints them as one
+    line)."""
     import transformers
 
     import foak
@@ -736,6 +752,8 @@ def train(argv: list[str]) -> dict:
     if trainer.is_world_process_zero():
         tokenizer.save_pretrained(str(output_dir))
         plot_loss(trainer.state.log_history, output_dir / "loss_curve.png", title)
+        if gptq is not None:
+            write_gptq_base(output_dir, source.ref, weights_dtype(foak_args, training_args, quantized=True), gptq)
     tokens, world = _tokens_of_all_ranks(trainer)
     peak, peak_kind = _peak_memory_gib()
     summary = {"steps": result.global_step, "seconds": seconds, "tokens": tokens, "world_size": world,
@@ -751,6 +769,7 @@ def train(argv: list[str]) -> dict:
 
         trainer.save_state()  # HF's trainer_state.json (its log_history holds the logged losses)
         (output_dir / "train_summary.json").write_text(json.dumps(summary, indent=1) + "\n")
+    summary["model"] = model  # returned, not written: the trained model (under FSDP this rank's shards)
     ranks = f" on {world} processes" if world > 1 else ""
     log.info(f"done: {summary['steps']} steps{ranks} in {seconds:.1f} s, {tokens} tokens, "
              f"{summary['tokens_per_second']:.0f} tokens/s, peak memory {peak:.2f} GiB ({peak_kind}), loss "

@@ -22,11 +22,15 @@ checkpoint writer and loader for the "gptq" (v1) and "gptq_v2" safetensors layou
 - :func:`quantize_model_gptq` replaces a model's ``nn.Linear`` layers by GPTQLinear (round to nearest, no
   calibration data) and records the ``quantization_config``; :func:`gptq_error_report_model` gives the
   per-layer relative error of the dequantized weights.
-- :func:`save_gptq` writes ``config.json`` (with the ``quantization_config``) and ``model.safetensors``;
-  :func:`load_gptq` reads such a directory (sharded ones too) and builds the model with its parameters on the
-  meta device first, so no dense weight of a quantized layer is ever allocated. It refuses, with a
-  ValueError, what it cannot read exactly: other methods or bit widths, repacked formats (marlin, exllama,
-  ...), per-module ("dynamic") configs, missing or unexpected tensors and shapes that do not match the model.
+- :func:`save_gptq` writes ``config.json`` (with the ``quantization_config``) and ``model.safetensors`` (and
+  the tokenizer when given); :func:`load_gptq` reads such a directory (sharded ones too) and builds the model
+  with its parameters on the meta device first, so no dense weight of a quantized layer is ever allocated. It
+  refuses, with a ValueError, what it cannot read exactly: other methods or bit widths, repacked formats
+  (marlin, exllama, ...), per-module ("dynamic") configs, missing or unexpected tensors and shapes that do not
+  match the model. With ``adapter`` (or given the output directory of ``foak train --peft lora`` on a GPTQ
+  checkpoint) it returns the PEFT model with the saved LoRA adapter over the GPTQ base
+  (:mod:`foak.quant.gptq_peft`): PEFT's own loaders cannot build it (``AutoPeftModelForCausalLM`` sends a
+  GPTQ config to transformers' GPTQ path, ``PeftModel.from_pretrained`` has no LoRA layer for GPTQLinear).
 """
 
 from __future__ import annotations
@@ -53,6 +57,8 @@ SCALES_BITS = "scales_bits"  # the parameter holding the scales' bits (int32)
 INDEX_DTYPES = (torch.int32, torch.int64)
 SAFETENSORS_NAME = "model.safetensors"
 SAFETENSORS_INDEX_NAME = "model.safetensors.index.json"
+ADAPTER_CONFIG_NAME = "adapter_config.json"  # PEFT's
+GPTQ_BASE_NAME = "foak_gptq_base.json"  # foak train's record of an adapter's GPTQ base (load_gptq reads it)
 
 
 def _n_groups(in_features: int, group_size: int) -> int:
@@ -340,10 +346,11 @@ def _unique_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     return out
 
 
-def save_gptq(model: nn.Module, path: str | os.PathLike) -> None:
+def save_gptq(model: nn.Module, path: str | os.PathLike, tokenizer=None) -> None:
     """Write ``config.json`` (with ``quantization_config``) and ``model.safetensors`` (the GPTQLinear tensors
     under their checkpoint names and dtypes, every other parameter and persistent buffer once) to the directory
-    ``path``."""
+    ``path``; with ``tokenizer`` (anything with ``save_pretrained``, e.g. the dense model's tokenizer) its files
+    too, so the directory is a complete ``--model`` for ``foak train`` / ``foak verify``."""
     from safetensors.torch import save_file
 
     config = getattr(model, "config", None)
@@ -363,6 +370,11 @@ def save_gptq(model: nn.Module, path: str | os.PathLike) -> None:
     if generation_config is not None:
         generation_config.save_pretrained(path)
     save_file(_unique_state_dict(model), os.path.join(path, SAFETENSORS_NAME), metadata={"format": "pt"})
+    if tokenizer is not None:
+        if not hasattr(tokenizer, "save_pretrained"):
+            raise ValueError(f"save_gptq: tokenizer must have save_pretrained (a transformers tokenizer), got "
+                             f"{type(tokenizer).__name__}")
+        tokenizer.save_pretrained(path)
 
 
 # 4. loading ---------------------------------------------------------------------------------------
@@ -455,23 +467,102 @@ _ST_DTYPES = {"I32": torch.int32, "I64": torch.int64, "F16": torch.float16, "BF1
               "F32": torch.float32}
 
 
-def load_gptq(path: str | os.PathLike, dtype: torch.dtype = torch.bfloat16, device=None, *,
-              model_class=None) -> nn.Module:
+def _adapter_base(adapter: str) -> tuple[str, dict]:
+    """(the GPTQ base an adapter directory was trained on, foak train's record or {}): foak train's
+    ``foak_gptq_base.json``, else PEFT's ``adapter_config.json`` ``base_model_name_or_path``."""
+    record = {}
+    record_path = os.path.join(adapter, GPTQ_BASE_NAME)
+    if os.path.isfile(record_path):
+        with open(record_path) as f:
+            record = json.load(f)
+    base = record.get("base_model_name_or_path")
+    if not base:
+        with open(os.path.join(adapter, ADAPTER_CONFIG_NAME)) as f:
+            base = json.load(f).get("base_model_name_or_path")
+    if not base:
+        raise ValueError(f"load_gptq: {adapter} does not name its base model (no base_model_name_or_path in "
+                         f"{ADAPTER_CONFIG_NAME}); pass the GPTQ checkpoint: load_gptq(<gptq dir>, "
+                         f"adapter={adapter!r})")
+    return base, record
+
+
+def _local_base(base: str, adapter: str) -> str:
+    """The directory of the base an adapter names: a local path, or a hub id (downloaded / from the cache)."""
+    if os.path.isdir(base):
+        return base
+    from foak.model_source import _looks_like_path, resolve_model
+
+    if _looks_like_path(base):
+        raise ValueError(f"load_gptq: the base model {base} that {adapter} was trained on is not a directory "
+                         f"(moved?); pass the GPTQ checkpoint: load_gptq(<gptq dir>, adapter={adapter!r})")
+    return str(resolve_model(base, flag="load_gptq: base model", need_tokenizer=False).local_dir())
+
+
+def _load_adapter(model: nn.Module, adapter: str, is_trainable: bool, adapter_name: str):
+    try:
+        from peft import LoraConfig, PeftConfig, PeftModel
+    except ImportError:
+        raise ValueError("load_gptq(adapter=...) needs peft: pip install 'foak[train]'") from None
+    from foak.quant.gptq_peft import register_gptq_lora
+
+    peft_type = str(PeftConfig.from_pretrained(adapter).peft_type).rsplit(".", 1)[-1]
+    if peft_type != "LORA":
+        raise ValueError(f"load_gptq: {adapter} holds a {peft_type} adapter; GPTQ bases take LoRA adapters only")
+    config = register_gptq_lora(LoraConfig.from_pretrained(adapter))  # the mapping is not saved with the adapter
+    return PeftModel.from_pretrained(model, adapter, adapter_name=adapter_name, is_trainable=is_trainable,
+                                     config=config)
+
+
+def load_gptq(path: str | os.PathLike, dtype: torch.dtype | None = None, device=None, *, model_class=None,
+              adapter: str | os.PathLike | None = None, is_trainable: bool = False,
+              adapter_name: str = "default") -> nn.Module:
     """Load a GPTQ 4-bit checkpoint directory (``config.json`` with a ``quantization_config`` + safetensors)
-    as a transformers model whose quantized linears are :class:`GPTQLinear` computing in ``dtype``.
+    as a transformers model whose quantized linears are :class:`GPTQLinear` computing in ``dtype`` (default
+    bfloat16).
 
     The model is built from its config with parameters on the meta device; each linear not in the config's
     ``modules_to_not_convert`` (default ``lm_head``) becomes a GPTQLinear; then every tensor is read (to
     ``device``, default CPU; float parameters cast to ``dtype``, scales kept as stored). ``model_class``:
     default ``transformers.AutoModelForCausalLM``. Raises ValueError for anything it cannot read exactly.
+
+    ``adapter``: a PEFT LoRA adapter directory trained on this base (e.g. ``foak train --peft lora``'s output
+    directory); the result is then the ``peft.PeftModel`` with the adapter loaded over the GPTQ base (its
+    targets :class:`foak.quant.gptq_peft.GPTQLoraLinear`), frozen and in eval mode unless ``is_trainable``.
+    ``path`` may also be the adapter directory itself: the base is the one it was trained on (foak train's
+    ``foak_gptq_base.json``, else ``base_model_name_or_path`` in ``adapter_config.json``) and ``dtype``
+    defaults to the one foak train computed in.
     """
+    path = os.fspath(path)
+    if adapter is None and os.path.isfile(os.path.join(path, ADAPTER_CONFIG_NAME)) \
+            and not os.path.isfile(os.path.join(path, "config.json")):
+        adapter = path
+        base, record = _adapter_base(adapter)
+        path = _local_base(base, adapter)
+        if dtype is None and record.get("dtype"):
+            dtype = getattr(torch, str(record["dtype"]).removeprefix("torch."), None)
+            if dtype is None:
+                raise ValueError(f"load_gptq: {os.path.join(adapter, GPTQ_BASE_NAME)} names an unknown dtype "
+                                 f"{record['dtype']!r}")
+    elif adapter is not None:
+        adapter = os.fspath(adapter)
+        if not os.path.isfile(os.path.join(adapter, ADAPTER_CONFIG_NAME)):
+            raise ValueError(f"load_gptq: adapter {adapter} has no {ADAPTER_CONFIG_NAME}; pass the directory a "
+                             "PEFT adapter was saved to (foak train --peft lora's --output_dir)")
+    dtype = torch.bfloat16 if dtype is None else dtype
+    model = _load_base(path, dtype, device, model_class)
+    if adapter is None:
+        return model
+    return _load_adapter(model, adapter, is_trainable, adapter_name)
+
+
+def _load_base(path: str, dtype: torch.dtype, device, model_class) -> nn.Module:
     import transformers
 
     if dtype not in COMPUTE_DTYPES:
         raise ValueError(f"load_gptq: dtype must be torch.float32, torch.bfloat16 or torch.float16, got {dtype!r}")
-    path = os.fspath(path)
     if not os.path.isfile(os.path.join(path, "config.json")):
-        raise ValueError(f"load_gptq: {path} has no config.json; pass a GPTQ checkpoint directory")
+        raise ValueError(f"load_gptq: {path} has no config.json; pass a GPTQ checkpoint directory (or the "
+                         "adapter directory foak train wrote)")
     device = torch.device("cpu" if device is None else device)
     config = transformers.AutoConfig.from_pretrained(path)
     qc = _read_quantization_config(config)

@@ -5,8 +5,9 @@ other modules need a LoRA layer class registered on the config through its exper
 mapping. :class:`GPTQLoraLinear` is that class: the frozen GPTQ base plus PEFT's usual ``lora_A`` /
 ``lora_B`` / dropout / scaling per adapter (so adapters save, load and switch like any PEFT LoRA), no merging
 (the base is quantized). :func:`register_gptq_lora` puts the mapping on a ``LoraConfig``; do it before
-``peft.get_peft_model`` and again on the config passed to ``PeftModel.from_pretrained`` (the mapping is not
-saved with the adapter). ``target_modules="all-linear"`` does not find GPTQLinear layers (PEFT looks for
+``peft.get_peft_model``. The mapping is not saved with the adapter: load a saved adapter with
+``foak.quant.load_gptq(<gptq dir>, adapter=<adapter dir>)``, which registers it on the adapter's config for
+``PeftModel.from_pretrained``. ``target_modules="all-linear"`` does not find GPTQLinear layers (PEFT looks for
 ``nn.Linear``): name the targets, e.g. ``["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
 "down_proj"]``.
 """
