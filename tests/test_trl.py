@@ -133,15 +133,20 @@ def test_sft_trainer_step_runs_foaks_loss_and_matches_the_unpatched_model(tmp_pa
     assert row.modules == 1 and row.notes == "served TRL's fused LM head (1 call)"
 
 
-@pytest.mark.parametrize("lora", ["model", "trainer"])
-def test_sft_trainer_with_a_lora_model_runs_foaks_loss(tmp_path, calls, lora):
-    patch = "foak.patch" if lora == "model" else "callback"  # TRL wraps the model itself: patched by the callback
-    run = _sft_step(tmp_path / "foak", patch, kernels=LOSS_ONLY, lora=lora)
+@pytest.mark.parametrize("lora,patch", [("model", "foak.patch"), ("trainer", "callback"), ("trainer", "foak.patch")])
+def test_sft_trainer_with_a_lora_model_runs_foaks_loss(tmp_path, calls, lora, patch):
+    # ("trainer", "foak.patch"): patched first, then TRL wraps the patched model with peft_config: the LoRA
+    # layers TRL adds are fused from the first forward on
+    kernels = {**LOSS_ONLY, "fused_lora": True} if (lora, patch) == ("trainer", "foak.patch") else LOSS_ONLY
+    run = _sft_step(tmp_path / "foak", patch, kernels=kernels, lora=lora)
     assert isinstance(run[2].model, peft.PeftModel)
     assert calls == {"foak": 1, "trl": 0}
     ref = _reference(tmp_path, calls, kernels=LOSS_ONLY, lora=lora)
     assert all("lora_" in name for name in ref[1])
     _assert_same_step(run, ref)
+    if "fused_lora" in kernels:
+        row = run[3].result("llama.fused_lora")
+        assert row.modules == 4 and "fused 4 calls" in row.notes and "after foak.patch" in row.notes, row.notes
 
 
 def test_sft_trainer_with_label_smoothing_leaves_the_loss_to_the_logits(tmp_path, calls):

@@ -98,7 +98,8 @@ def _sync() -> None:
         _install[:] = [trl_utils, original]
     elif not _heads and _install:
         trl_utils, original = _install
-        setattr(trl_utils, _GLOBAL, original)
+        if isinstance(getattr(trl_utils, _GLOBAL, None), _FoakChunkedLogProb):  # else: set over foak's since
+            setattr(trl_utils, _GLOBAL, original)
         _install.clear()
 
 

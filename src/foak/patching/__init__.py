@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import torch
 
+from foak.patching.new_layers import NewLoraLayers
 from foak.patching.rules import PatchReport, Rule, RuleResult, Trigger, apply, is_patched, restore
 
 # config switches with no implementation yet: enabling one is an error, never a silent no-op
@@ -61,11 +62,9 @@ def patch(model, config=None, *, mixed_precision: str | None = None, **switches)
     use_default = config is None and not switches
     if config is None and "mode" not in switches and not use_default:
         # keyword switches on a PEFT model are the peft stanza's (fused_lora is only valid there)
-        if is_peft_model(model):
+        # (fused_lora on a model without LoRA layers yet: the layers PEFT adds later are fused when they appear)
+        if is_peft_model(model) or switches.get("fused_lora"):
             switches["mode"] = "peft"
-        elif switches.get("fused_lora"):
-            raise ValueError("foak.patch: fused_lora=True needs a PEFT LoRA model (wrap the model with "
-                             "peft.get_peft_model first), or drop fused_lora for full fine-tuning")
     if use_default:
         cfg = default_config(model)
     else:
@@ -93,7 +92,11 @@ def patch(model, config=None, *, mixed_precision: str | None = None, **switches)
         raise ValueError("foak.patch: the config enables no kernel; nothing to patch")
     model_type = model_type_of(model)
     rules = rules_for(model)
-    report = apply(model, [r for r in rules if r.switch in enabled], model_type)
+    # LoRA layers added after this call (get_peft_model, SFTTrainer(peft_config=...), add_adapter) are fused on
+    # the model's next forward with foak's defaults or a config that enables fused_lora (foak.patching.new_layers)
+    fuse_new = use_default or "lora" in enabled
+    report = apply(model, [r for r in rules if r.switch in enabled or (fuse_new and r.switch == "lora")],
+                   model_type, watch=NewLoraLayers(enabled, fuse_new))
     available = {r.switch for r in rules}
     for switch in sorted(enabled - available):
         if not any(r.switch == switch for r in report.results):

@@ -2,36 +2,33 @@
 
 transformers 5.x experts classes (MixtralExperts, Qwen3MoeExperts, GraniteMoeExperts: decorated with
 ``transformers.integrations.moe.use_experts_implementation``) choose their computation at call time: the
-forward looks ``config._experts_implementation`` up in ``ALL_EXPERTS_FUNCTIONS`` ("eager" is the class's
-own loop over experts; "grouped_mm", "batched_mm", ...). This rule is of the "implementation" kind
-(foak.patching.rules): it registers an implementation named ``"foak"`` there (while some patched model
-selects it) and selects it on the config every experts module holds; ``foak.restore`` puts the previous
-name back exactly. Parameters, modules and ``state_dict()`` are untouched; the routers (and so the
-auxiliary load-balancing loss) stay transformers' own.
+class forward looks ``config._experts_implementation`` up in ``ALL_EXPERTS_FUNCTIONS`` ("eager" is the
+class's own loop over experts; "grouped_mm", "batched_mm", ...). This rule gives each experts module foak's
+forward on the instance (bound to it, like every foak forward): nothing global is registered and the config
+(which several models built from one config object share) is not written, so every other model, and every
+module foak did not patch, dispatches exactly as before. ``foak.restore`` removes the instance forwards.
+Parameters, modules and ``state_dict()`` are untouched; the routers (and so the auxiliary load-balancing
+loss) stay transformers' own.
 
-The ``"foak"`` function decides per call. It runs ``moe_experts`` when that computes exactly what the
-experts module would: gated experts with the gate|up rows concatenated in ``gate_up_proj [E, 2I, H]`` and
+foak's forward decides per call. It runs ``moe_experts`` when that computes exactly what the experts module
+would: gated experts with the gate|up rows concatenated in ``gate_up_proj [E, 2I, H]`` and
 ``down_proj [E, H, I]``, no biases, no post-expert norm, transformers' default gating
 (``act(gate) * up``), an activation foak has (by the type of ``act_fn``: SiLU; exact GELU; tanh GELU, also
 in its NewGELU/FastGELU forms), plain dense weights and no expert parallelism. Anything else runs the
-implementation the config named before (``eager``, ``grouped_mm``, ...) and is counted in the report row
-with the reason; a module that fails a static condition is not patched at all ("not patched: expert
-biases"), and while its config is shared with patched modules, its calls are counted as that fallback.
+module's own forward (the implementation its config names: ``eager``, ``grouped_mm``, ...) and is counted in
+the report row with the reason; a module that fails a static condition is not patched at all ("not patched:
+expert biases").
 """
 
 from __future__ import annotations
 
-import threading
 import weakref
 
 import torch
 from torch import nn
 
 from foak.ops.moe import moe_experts
-from foak.patching.rules import Rule, Selection, Skip, Trigger
-
-IMPLEMENTATION = "foak"  # the name foak registers in transformers' ALL_EXPERTS_FUNCTIONS
-
+from foak.patching.rules import Rule, SharedAcrossCopies, Skip, Trigger, next_forward
 
 def _hf_moe():
     """transformers.integrations.moe, or None where the installed transformers has no experts interface."""
@@ -135,7 +132,7 @@ def support(module: nn.Module) -> tuple[str | None, str | None]:
 # ---- call counts (what really ran), shown in the rule's report row ------------------------------------
 
 
-class _Counts:
+class _Counts(SharedAcrossCopies):
     def __init__(self, row):
         self.row, self.foak, self.other, self.previous = row, 0, {}, set()
 
@@ -176,81 +173,30 @@ def moe_counts(report, rule_id: str) -> tuple[int, dict[str, int]]:
     return (0, {}) if counts is None else (counts.foak, dict(counts.other))
 
 
-# ---- the implementation transformers dispatches to ----------------------------------------------------
+# ---- the experts forward ------------------------------------------------------------------------------
 
 
-class _Entry:
-    __slots__ = ("counts", "previous")
-
-    def __init__(self, counts: _Counts, previous: str):
-        self.counts, self.previous = counts, previous
+def _configured_implementation(module: nn.Module) -> str:
+    return str(getattr(getattr(module, "config", None), "_experts_implementation", None) or "eager")
 
 
-# experts modules of patched models -> their counts and the implementation their config named before
-_ENTRIES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+def experts_rule_forward(rule_id: str, counts: _Counts):
+    """The forward of a patched experts module (transformers' experts signature). It runs ``moe_experts`` when
+    that computes exactly what the module would, else the module's own forward, which dispatches on its
+    config's ``_experts_implementation`` as before (counted with the reason)."""
 
+    def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor):
+        activation, reason = support(self)
+        if reason is not None:
+            out = next_forward(self, rule_id)(hidden_states, top_k_index, top_k_weights)
+            counts.count(reason, _configured_implementation(self))
+            return out
+        out = moe_experts(hidden_states, top_k_index, top_k_weights, self.gate_up_proj, self.down_proj, activation)
+        counts.count(None, _configured_implementation(self))
+        # transformers' implementations return hidden_states' dtype (the op returns the autocast dtype under autocast)
+        return out.to(hidden_states.dtype)
 
-def _previous_forward(module: nn.Module, previous: str):
-    eager = type(module).forward.__wrapped__  # the class's own forward, under transformers' dispatcher
-    if previous in ("eager", IMPLEMENTATION) or previous is None:
-        return eager
-    return _hf_moe().ALL_EXPERTS_FUNCTIONS.get_interface(previous, eager)
-
-
-def foak_experts_forward(self: nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
-                         top_k_weights: torch.Tensor) -> torch.Tensor:
-    """transformers' experts-implementation signature: ``self`` is the experts module."""
-    entry = _ENTRIES.get(self)
-    if entry is None:
-        raise RuntimeError(
-            f"{type(self).__name__}: config._experts_implementation is {IMPLEMENTATION!r}, but this module was not "
-            "patched by foak; select foak's experts with foak.patch(model, fast_moe=True) (foak.restore puts the "
-            "previous implementation back), or set another experts implementation")
-    activation, reason = support(self)
-    if reason is not None:
-        out = _previous_forward(self, entry.previous)(self, hidden_states, top_k_index, top_k_weights)
-        entry.counts.count(reason, entry.previous)
-        return out
-    out = moe_experts(hidden_states, top_k_index, top_k_weights, self.gate_up_proj, self.down_proj, activation)
-    entry.counts.count(None, entry.previous)
-    # transformers' implementations return hidden_states' dtype (the op returns the autocast dtype under autocast)
-    return out.to(hidden_states.dtype)
-
-
-_install_lock = threading.Lock()
-_installs = [0]
-
-
-def _install() -> None:
-    with _install_lock:
-        if _installs[0] == 0:
-            _hf_moe().ALL_EXPERTS_FUNCTIONS.register(IMPLEMENTATION, foak_experts_forward)
-        _installs[0] += 1
-
-
-def _uninstall() -> None:
-    with _install_lock:
-        _installs[0] -= 1
-        if _installs[0] == 0:
-            interface = _hf_moe().ALL_EXPERTS_FUNCTIONS
-            mapping = type(interface)._global_mapping
-            if mapping.get(IMPLEMENTATION) is foak_experts_forward:
-                del mapping[IMPLEMENTATION]
-
-
-def is_registered() -> bool:
-    """Whether transformers' experts interface currently knows foak's implementation."""
-    moe = _hf_moe()
-    return moe is not None and moe.ALL_EXPERTS_FUNCTIONS.get(IMPLEMENTATION) is foak_experts_forward
-
-
-def _implementation_attribute(config) -> str:
-    # transformers 5.x: a property over _experts_implementation_internal whose setter also writes every
-    # sub-config; foak sets (and restores) the one config the module reads
-    if isinstance(getattr(type(config), "_experts_implementation", None), property) and \
-            "_experts_implementation_internal" in vars(config):
-        return "_experts_implementation_internal"
-    return "_experts_implementation"
+    return forward
 
 
 class _NoExpertsClass(nn.Module):
@@ -258,7 +204,9 @@ class _NoExpertsClass(nn.Module):
 
 
 def moe_experts_rule(arch: str, modeling, experts_class_name: str) -> Rule:
-    """The ``fast_moe`` rule of an architecture whose modeling module defines ``experts_class_name``."""
+    """The ``fast_moe`` rule of an architecture whose modeling module defines ``experts_class_name``: each
+    experts module gets foak's forward on the instance (its config, which other models built from the same
+    config object share, is not touched)."""
     experts_class = getattr(modeling, experts_class_name, None)
     rule_id = f"{arch}.moe"
 
@@ -271,20 +219,10 @@ def moe_experts_rule(arch: str, modeling, experts_class_name: str) -> Rule:
 
     def patch(module, model, state):
         reason = _dispatch_reason(module)
-        if reason is not None:
+        if reason is None:
+            _, reason = support(module)
+        if reason is not None:  # left as it is
             return Skip(reason)
-        config = module.config
-        attribute = _implementation_attribute(config)
-        previous = state.previous_value(config, attribute)
-        _ENTRIES[module] = _Entry(_counts_of(state, rule_id), previous)
-        state.on_restore(lambda: _ENTRIES.pop(module, None))
-        _, reason = support(module)
-        if reason is not None:  # left as it is; counted as the previous implementation's if its config says foak
-            return Skip(reason)
-        _install()
-        # released by restore(), or when the module is garbage-collected without one
-        state.on_restore(weakref.finalize(module, _uninstall))
-        return Selection(config, attribute, IMPLEMENTATION, label="config._experts_implementation")
+        return experts_rule_forward(rule_id, _counts_of(state, rule_id))
 
-    return Rule(rule_id, "moe", Trigger(experts_class or _NoExpertsClass), patch, skip_reason,
-                kind="implementation")
+    return Rule(rule_id, "moe", Trigger(experts_class or _NoExpertsClass), patch, skip_reason)

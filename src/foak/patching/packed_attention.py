@@ -8,11 +8,12 @@ flash kernel and its GQA path (``use_gqa_in_sdpa`` needs no mask): K/V are repea
 so for the backward. With a KV cache (``use_cache=True``) transformers' sdpa path does not look for packing
 at all, and packed sequences attend to each other.
 
-What this rule does (an "implementation" rule, foak.patching.rules, as ``fast_moe``): it registers an
-attention function and an attention-mask function named ``"foak"`` in transformers' attention interfaces
-(``ALL_ATTENTION_FUNCTIONS`` / ``ALL_MASK_ATTENTION_FUNCTIONS``, while a patched model selects them) and
-selects ``"foak"`` on the model's config (``config._attn_implementation``; ``foak.restore`` puts the previous
-name back). The decoder stack's forward (``<Arch>Model``) is wrapped to read the batch's ``position_ids``
+What this rule does: it registers an attention function and an attention-mask function named ``"foak"`` in
+transformers' attention interfaces (``ALL_ATTENTION_FUNCTIONS`` / ``ALL_MASK_ATTENTION_FUNCTIONS``, while a
+patched model selects them) and selects ``"foak"`` on the model's config (``config._attn_implementation``,
+while a patched model uses that config object; ``foak.restore`` puts the previous name back). Every module of
+the patched stack is tagged: a model built from the same config object that foak did not patch runs the
+previous implementation exactly, uncounted. The decoder stack's forward (``<Arch>Model``) is wrapped to read the batch's ``position_ids``
 once: a batch is packed when no attention_mask is given and the position ids restart inside a row (the
 sequences are the ones transformers finds). Then
 
@@ -47,7 +48,8 @@ import torch
 from torch import nn
 
 from foak.ops import varlen_attention as _varlen
-from foak.patching.rules import Rule, Selection, Skip, Trigger
+from foak.patching import globals as globals_
+from foak.patching.rules import Rule, SharedAcrossCopies, Skip, Trigger, next_forward
 
 IMPLEMENTATION = "foak"  # the name registered in transformers' attention and attention-mask interfaces
 TAKEN_OVER = ("sdpa", "eager")  # the implementations that build the dense block-causal mask
@@ -93,21 +95,28 @@ def _calls(n: int) -> str:
     return f"{n} call" if n == 1 else f"{n} calls"
 
 
-class _Entry:
-    __slots__ = ("config", "counts", "previous")
+class _Entry(SharedAcrossCopies):
+    """A patched model's packed attention: its counts and the implementation its config named before. Every
+    module of the patched stack holds it (attribute ``_ENTRY_ATTR``): a model built from the same config
+    object but not patched holds none, and runs the previous implementation, uncounted."""
 
-    def __init__(self, config, counts: _Counts, previous: str):
-        self.config, self.counts, self.previous = weakref.ref(config), counts, previous
+    __slots__ = ("counts", "previous")
+
+    def __init__(self, counts: _Counts, previous: str):
+        self.counts, self.previous = counts, previous
 
 
-_ENTRIES: dict[int, _Entry] = {}  # id(config) of a patched model -> its entry
+_ENTRY_ATTR = "_foak_packed_attention"
+# id(config) -> (weak config, the implementation it named before foak selected its own): for the mask
+# function, which receives the config only, and for models sharing a patched model's config object
+_PREVIOUS: dict[int, tuple] = {}
 # the counts live as long as the report (which survives a re-patch after a deepcopy)
 _COUNTS: dict[tuple[int, str], _Counts] = {}
 
 
-def _entry_of(config) -> _Entry | None:
-    entry = _ENTRIES.get(id(config))
-    return entry if entry is not None and entry.config() is config else None
+def _previous_of(config) -> str | None:
+    item = _PREVIOUS.get(id(config))
+    return item[1] if item is not None and item[0]() is config else None
 
 
 def _counts_of(state, rule_id: str, previous: str) -> _Counts:
@@ -130,10 +139,10 @@ def packed_attention_counts(report, rule_id: str) -> tuple[dict[str, int], dict[
 
 
 class _Forward:
-    __slots__ = ("config", "position_ids", "seqs")
+    __slots__ = ("config", "entry", "position_ids", "seqs")
 
-    def __init__(self, config, position_ids, seqs):
-        self.config, self.position_ids, self.seqs = config, position_ids, seqs
+    def __init__(self, config, entry, position_ids, seqs):
+        self.config, self.entry, self.position_ids, self.seqs = config, entry, position_ids, seqs
 
 
 class _Current(threading.local):
@@ -209,8 +218,11 @@ def foak_attention_forward(module: nn.Module, query: torch.Tensor, key: torch.Te
                            attention_mask, *args, **kwargs):
     """transformers' attention-function signature (query/key/value [B, H, S, D]; returns [B, S, Hq, D] and
     no attention weights)."""
-    entry = _entry_of(getattr(module, "config", None))
+    entry = getattr(module, "__dict__", {}).get(_ENTRY_ATTR)
     if entry is None:
+        previous = _previous_of(getattr(module, "config", None))
+        if previous is not None:  # a model sharing a patched model's config object: as before, uncounted
+            return _previous_function(module, previous)(module, query, key, value, attention_mask, *args, **kwargs)
         if not _warned_unpatched[0]:
             _warned_unpatched[0] = True
             warnings.warn("config._attn_implementation is 'foak' on a model foak.patch did not patch: it runs "
@@ -219,7 +231,7 @@ def foak_attention_forward(module: nn.Module, query: torch.Tensor, key: torch.Te
         return _hf()[0]["sdpa"](module, query, key, value, attention_mask, *args, **kwargs)
     position_ids = kwargs.get("position_ids")
     current = _CURRENT.forward
-    if current is not None and current.config is entry.config():
+    if current is not None and current.entry is entry:
         seqs = current.seqs
         if position_ids is None and seqs is not None:  # the mask function built no mask for this batch
             raise RuntimeError(f"foak packed attention: {type(module).__name__} received no position_ids in a "
@@ -257,37 +269,23 @@ def foak_attention_mask(**kwargs):
     """transformers' attention-mask-function signature (keyword arguments). No mask for the packed batch of
     a patched stack's forward; otherwise exactly the previous implementation's mask."""
     config = kwargs.get("config")
-    entry = _entry_of(config)
     current = _CURRENT.forward
-    if (entry is not None and current is not None and current.config is config and current.seqs is not None
-            and kwargs.get("attention_mask") is None and kwargs.get("batch_size") == current.seqs.batch
-            and kwargs.get("q_length") == current.seqs.seq_len == kwargs.get("kv_length")):
-        return None
-    previous = entry.previous if entry is not None else "sdpa"
+    if current is not None and current.config is config:
+        if (current.seqs is not None and kwargs.get("attention_mask") is None
+                and kwargs.get("batch_size") == current.seqs.batch
+                and kwargs.get("q_length") == current.seqs.seq_len == kwargs.get("kv_length")):
+            return None
+        previous = current.entry.previous
+    else:
+        previous = _previous_of(config) or "sdpa"
     return _hf()[1][previous](**kwargs)
 
 
-_install_lock = threading.Lock()
-_installs = [0]
-
-
-def _install() -> None:
-    with _install_lock:
-        if _installs[0] == 0:
-            attention, masks = _hf()
-            attention.register(IMPLEMENTATION, foak_attention_forward)
-            masks.register(IMPLEMENTATION, foak_attention_mask)
-        _installs[0] += 1
-
-
-def _uninstall() -> None:
-    with _install_lock:
-        _installs[0] -= 1
-        if _installs[0] == 0:
-            for interface, fn in zip(_hf(), (foak_attention_forward, foak_attention_mask)):
-                mapping = type(interface)._global_mapping
-                if mapping.get(IMPLEMENTATION) is fn:
-                    del mapping[IMPLEMENTATION]
+def _install():
+    attention, masks = _hf()
+    undo = [globals_.register_in(attention, IMPLEMENTATION, foak_attention_forward),
+            globals_.register_in(masks, IMPLEMENTATION, foak_attention_mask)]
+    return lambda: [fn() for fn in undo]
 
 
 def is_registered() -> bool:
@@ -341,14 +339,19 @@ def packed_attention_rule(arch: str, stack_class: type) -> Rule:
     def patch(module, model, state):
         config = module.config
         attribute = _implementation_attribute(config)
-        previous = state.previous_value(config, attribute)
+        previous = getattr(config, attribute, None)
+        if previous == IMPLEMENTATION:  # another patched model shares this config object
+            previous = _previous_of(config)
+            if previous is None:
+                return Skip(f"config._attn_implementation is {IMPLEMENTATION!r}, but no patched model selected it")
         if previous not in TAKEN_OVER:
             why = _NOT_TAKEN.get(previous, "foak takes over sdpa and eager only")
             return Skip(f"config._attn_implementation is {previous!r}: {why}")
-        entry = _Entry(config, _counts_of(state, rule_id, previous), previous)
-        key = id(config)
-        _ENTRIES[key] = entry
-        state.on_restore(lambda: _ENTRIES.pop(key, None) if _ENTRIES.get(key) is entry else None)
+        entry = _Entry(_counts_of(state, rule_id, previous), previous)
+        tagged = [m for m in module.modules() if getattr(m, "config", None) is config]
+        for m in tagged:
+            m.__dict__[_ENTRY_ATTR] = entry
+        state.on_restore(lambda: [m.__dict__.pop(_ENTRY_ATTR, None) for m in tagged])
         state.result._backend = _varlen.policy  # what runs the packed calls, read when the report is
         original = module.forward
         read_ids = _argument_reader(original, "position_ids")
@@ -356,8 +359,7 @@ def packed_attention_rule(arch: str, stack_class: type) -> Rule:
         read_input = _argument_reader(original, "input_ids")
         read_embeds = _argument_reader(original, "inputs_embeds")
 
-        @functools.wraps(original)  # keeps the signature
-        def forward(*args, **kwargs):
+        def forward(self, *args, **kwargs):
             position_ids = read_ids(args, kwargs)
             seqs = None
             if isinstance(position_ids, torch.Tensor) and read_mask(args, kwargs) is None and \
@@ -367,16 +369,31 @@ def packed_attention_rule(arch: str, stack_class: type) -> Rule:
                 batch = source.shape[0] if isinstance(source, torch.Tensor) else position_ids.shape[0]
                 seqs = _sequences_of(position_ids, batch)
             outer = _CURRENT.forward
-            _CURRENT.forward = _Forward(config, position_ids, seqs)
+            _CURRENT.forward = _Forward(self.config, self.__dict__[_ENTRY_ATTR], position_ids, seqs)
             try:
-                return original(*args, **kwargs)
+                return next_forward(self, rule_id)(*args, **kwargs)
             finally:
                 _CURRENT.forward = outer
 
-        state.set_forward(module, forward)
-        _install()
-        # released by restore(), or when the module is garbage-collected without one
-        state.on_restore(weakref.finalize(module, _uninstall))
-        return Selection(config, attribute, IMPLEMENTATION, label="config._attn_implementation")
+        globals_.acquire_for(module, state, "packed_attention", _install)
+        # the config object may be shared by several models: selected while any patched model uses it
+        globals_.acquire_for(module, state, ("attn_implementation", id(config)),
+                             functools.partial(_select, config, attribute, previous))
+        state.result.note_runtime("selected", f"config._attn_implementation: {previous!r} -> {IMPLEMENTATION!r}")
+        return forward
 
-    return Rule(rule_id, "packed_attention", Trigger(stack_class), patch, skip_reason, kind="implementation")
+    return Rule(rule_id, "packed_attention", Trigger(stack_class), patch, skip_reason)
+
+
+def _select(config, attribute: str, previous: str):
+    """Select foak's implementation on ``config``; returns the undo (which leaves a value set since alone)."""
+    setattr(config, attribute, IMPLEMENTATION)
+    _PREVIOUS[id(config)] = (weakref.ref(config), previous)
+
+    def undo():
+        if _previous_of(config) == previous:
+            del _PREVIOUS[id(config)]
+        if getattr(config, attribute, None) == IMPLEMENTATION:
+            setattr(config, attribute, previous)
+
+    return undo

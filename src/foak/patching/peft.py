@@ -16,7 +16,6 @@ lora_bases). LoRA layers over other bases (8-bit, FP4, GPTQ...) are left to PEFT
 
 from __future__ import annotations
 
-import functools
 import sys
 import weakref
 
@@ -29,7 +28,7 @@ from foak.ops.lora import lora_linear, lora_linears
 from foak.ops.lora_glu_linear import lora_glu_linear
 from foak.patching.lora_bases import format_of
 from foak.patching.replacements import _plain_linear
-from foak.patching.rules import Rule, Trigger
+from foak.patching.rules import Rule, SharedAcrossCopies, Trigger, forward_link, next_forward
 
 
 def _lora_layer_module():
@@ -51,7 +50,8 @@ def is_peft_model(model: nn.Module) -> bool:
 def _peft_skip_reason(model) -> str | None:
     """Why the fused_lora rules cannot apply at all (shared by the layer and the q/k/v block rules)."""
     if _lora_layer_module() is None:
-        return "peft is not imported: the model has no PEFT LoRA layers"
+        return ("peft is not imported: the model has no PEFT LoRA layers (layers added later, e.g. by "
+                "peft.get_peft_model, are fused from the model's next forward)")
     return None
 
 
@@ -91,15 +91,17 @@ def _describe(model: nn.Module) -> str | None:
     if notes:
         return "; ".join(notes)
     if not any(isinstance(m, layer.LoraLayer) for m in model.modules()):
-        return "the model has no PEFT LoRA layers (wrap it with peft.get_peft_model first)"
+        return ("the model has no PEFT LoRA layers yet (layers added later, e.g. by peft.get_peft_model, are fused "
+                "from the model's next forward)")
     return None
 
 
-class _Counts:
-    """Fused and fallen-back calls of one rule on one model, shown in its report row."""
+class _Counts(SharedAcrossCopies):
+    """Fused and fallen-back calls of one rule on one model, shown in its report row (a copy of a patched
+    layer counts into the same row)."""
 
-    def __init__(self, row):
-        self.row, self.fused, self.peft = row, 0, {}
+    def __init__(self, row, rule_id: str = ""):
+        self.row, self.fused, self.peft, self.rule_id = row, 0, {}, rule_id
 
     def count(self, reason: str | None) -> None:
         if torch.compiler.is_compiling():
@@ -124,7 +126,7 @@ def _counts_of(state, rule_id: str) -> _Counts:
     key = (id(state.report), rule_id)
     counts = _COUNTS.get(key)
     if counts is None:
-        counts = _COUNTS[key] = _Counts(state.result)
+        counts = _COUNTS[key] = _Counts(state.result, rule_id)
         weakref.finalize(state.report, _COUNTS.pop, key, None)
     counts.row = state.result  # the current row of that report
     return counts
@@ -185,9 +187,20 @@ def _fallback_reason(module, x, args, kwargs) -> str | None:
     return None
 
 
-# the lora.Linear layers the fused_lora rule patched -> their call counts; a block-level rule (the gated
-# MLP's) asks :func:`fused_projection` whether a layer's call may run inside its own fused op
-_FUSED_LAYERS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+# a LoRA layer the fused_lora rule patched holds its rule's counts under this attribute (copies of the layer
+# too); a block-level rule (the gated MLP's) asks :func:`fused_projection` whether a layer's call may run
+# inside its own fused op
+_COUNTS_ATTR = "_foak_lora_counts"
+
+
+def _layer_counts(module) -> _Counts | None:
+    """The counts of the fused_lora rule whose forward ``module`` holds (None: not a patched LoRA layer)."""
+    counts = getattr(module, "__dict__", {}).get(_COUNTS_ATTR)
+    return counts if counts is not None and forward_link(module, counts.rule_id) else None
+
+
+def is_fused_lora_layer(module) -> bool:
+    return _layer_counts(module) is not None
 
 
 def _projection_spec(module, x):
@@ -205,14 +218,14 @@ def fused_projection(module: nn.Module, x: torch.Tensor):
     ``(weight, bias, lora_A, lora_B, scaling, dropout_p, seed)`` tuple when ``module`` is a layer the
     fused_lora rule patched and this call would be fused; else None (then call ``module(x)``, which takes
     and counts its own path). A caller that uses the tuple reports it with :func:`count_fused`."""
-    if module not in _FUSED_LAYERS or _fallback_reason(module, x, (), {}) is not None:
+    if _layer_counts(module) is None or _fallback_reason(module, x, (), {}) is not None:
         return None
     return _projection_spec(module, x)
 
 
 def count_fused(module: nn.Module) -> None:
     """Count one fused call of a layer whose :func:`fused_projection` a block-level op computed."""
-    _FUSED_LAYERS[module].count(None)
+    _layer_counts(module).count(None)
 
 
 # q/k/v outputs that an attention block computed as one lora_linears call, each waiting for its projection's
@@ -231,13 +244,12 @@ def lora_attention_rule(arch: str, attention_class: type) -> Rule:
     rule_id = f"{arch}.fused_lora_qkv"
 
     def patch(module, model, state):
-        original_forward = module.forward
         row = state.result
         counts = row.__dict__.setdefault("block_counts", {"blocks": 0, "unused": 0})  # one per row, all modules
-        projections = [getattr(module, name) for name in QKV]
 
-        @functools.wraps(original_forward)
-        def forward(*args, **kwargs):
+        def forward(self, *args, **kwargs):
+            original_forward = next_forward(self, rule_id)
+            projections = [getattr(self, name) for name in QKV]
             x = args[0] if args else kwargs.get("hidden_states")
             if torch.compiler.is_compiling() or not isinstance(x, torch.Tensor):
                 return original_forward(*args, **kwargs)
@@ -273,7 +285,7 @@ def lora_glu_mlp(gate: nn.Module, up: nn.Module, down: nn.Module, x: torch.Tenso
     runs its own forward. Returns None when none of the blocks applies (the caller's own MLP path runs)."""
     spec_gate, spec_up = fused_projection(gate, x), fused_projection(up, x)
     pair = spec_gate is not None and spec_up is not None
-    if not pair and down not in _FUSED_LAYERS:
+    if not pair and _layer_counts(down) is None:
         return None
     if pair:
         g, u = lora_linears(x, [spec_gate, spec_up])
@@ -297,23 +309,21 @@ def lora_linear_rule(arch: str) -> Rule:
     rule_id = f"{arch}.fused_lora"
 
     def patch(module, model, state):
-        original_forward = module.forward
         counts = _counts_of(state, rule_id)
-        _FUSED_LAYERS[module] = counts
-        state.on_restore(lambda: _FUSED_LAYERS.pop(module, None))
+        module.__dict__[_COUNTS_ATTR] = counts
+        state.on_restore(lambda: module.__dict__.pop(_COUNTS_ATTR, None))
 
-        @functools.wraps(original_forward)
-        def forward(x, *args, **kwargs):
-            entry = _PREFETCHED.get(module)  # computed by a block op (q/k/v) for exactly this input
+        def forward(self, x, *args, **kwargs):
+            entry = _PREFETCHED.get(self)  # computed by a block op (q/k/v) for exactly this input
             if entry is not None and entry[0] is x and not args and not kwargs:
-                del _PREFETCHED[module]
+                del _PREFETCHED[self]
                 counts.count(None)
                 return entry[1]
-            reason = _fallback_reason(module, x, args, kwargs)
+            reason = _fallback_reason(self, x, args, kwargs)
             counts.count(reason)
             if reason is not None:
-                return original_forward(x, *args, **kwargs)
-            weight, bias, lora_A, lora_B, scaling, p, _ = _projection_spec(module, x)
+                return next_forward(self, rule_id)(x, *args, **kwargs)
+            weight, bias, lora_A, lora_B, scaling, p, _ = _projection_spec(self, x)
             return lora_linear(x, weight, bias, lora_A, lora_B, scaling, dropout_p=p)
 
         return forward

@@ -10,7 +10,6 @@ from __future__ import annotations
 import functools
 import sys
 import threading
-import weakref
 
 import torch
 from torch import nn
@@ -23,7 +22,8 @@ from foak.ops.linear_cross_entropy import linear_cross_entropy
 from foak.ops.rms_norm import rms_norm
 from foak.ops.rope import rope
 from foak.patching.autocast import cast_first_argument, cast_for_projections
-from foak.patching.rules import Rule, Trigger
+from foak.patching import globals as globals_
+from foak.patching.rules import Rule, SharedAcrossCopies, Trigger, next_forward
 
 # ---- RMSNorm ---------------------------------------------------------------------------------------
 
@@ -34,10 +34,10 @@ def rms_norm_rule(arch: str, norm_class: type, mode: str = "llama") -> Rule:
         if eps is None:
             raise ValueError(f"{arch}.rms_norm: {type(module).__name__} has no variance_epsilon/eps attribute")
 
-        def forward(hidden_states):
+        def forward(self, hidden_states):
             # out-of-place backward: a decoder layer's input is also saved by activation checkpointing,
             # so writing dx into it would break (loudly) HF's gradient checkpointing
-            return rms_norm(hidden_states, module.weight, eps, mode, inplace_backward=False)
+            return rms_norm(hidden_states, self.weight, eps, mode, inplace_backward=False)
 
         return forward
 
@@ -52,12 +52,13 @@ def rms_norm_recompute_rule(arch: str, stack_class: type) -> Rule:
     saved-tensor hooks that are active around the stack (save_on_cpu, activation offloading) the scope
     steps aside (foak.ops._recompute.recomputing_outputs) and the rule's report row says how often."""
 
+    rule_id = f"{arch}.rms_norm_recompute"
+
     def patch(module, model, state):
-        original_forward = module.forward
         row, counts = state.result, {"forwards": 0, "aside": 0}
 
-        @functools.wraps(original_forward)
-        def forward(*args, **kwargs):
+        def forward(self, *args, **kwargs):
+            original_forward = next_forward(self, rule_id)
             if torch.compiler.is_compiling():  # the compiler plans recomputation itself
                 return original_forward(*args, **kwargs)
             scope = recomputing_outputs()
@@ -73,7 +74,7 @@ def rms_norm_recompute_rule(arch: str, stack_class: type) -> Rule:
 
         return forward
 
-    return Rule(f"{arch}.rms_norm_recompute", "rms_norm", Trigger(stack_class), patch)
+    return Rule(rule_id, "rms_norm", Trigger(stack_class), patch)
 
 
 # ---- gated MLP ---------------------------------------------------------------------------------------
@@ -94,12 +95,15 @@ def _plain_linear(module: nn.Module) -> bool:
 
 
 def _lora_glu_mlp(mlp: nn.Module):
-    """foak.patching.peft.lora_glu_mlp when the MLP's projections include PEFT LoRA layers, else None."""
-    if "peft" not in sys.modules:
+    """foak.patching.peft.lora_glu_mlp when one of the MLP's projections is a LoRA layer that fused_lora
+    patched (decided per call: LoRA layers may be added, and fused, after the MLP was patched), else None."""
+    if "foak.patching.peft" not in sys.modules:
         return None
-    from foak.patching.peft import is_peft_model, lora_glu_mlp  # imports foak.patching.replacements
+    from foak.patching.peft import is_fused_lora_layer, lora_glu_mlp
 
-    return lora_glu_mlp if is_peft_model(mlp) else None
+    if any(is_fused_lora_layer(getattr(mlp, p)) for p in ("gate_proj", "up_proj", "down_proj")):
+        return lora_glu_mlp
+    return None
 
 
 def glu_mlp_rule(arch: str, mlp_class: type) -> Rule:
@@ -117,21 +121,21 @@ def glu_mlp_rule(arch: str, mlp_class: type) -> Rule:
 
     def patch(module, model, state):
         activation = GLU_ACTIVATIONS[_hidden_act(model)]
-        lora_mlp = _lora_glu_mlp(module)
         row = state.result
         blocks = row.__dict__.setdefault("block_counts", [0])  # one count per row, summed over its modules
 
-        def forward(x):
-            down = module.down_proj
+        def forward(self, x):
+            down = self.down_proj
             x = cast_for_projections(x)  # under autocast over fp32 weights: one cast for gate and up
+            lora_mlp = _lora_glu_mlp(self)
             if lora_mlp is not None:  # PEFT LoRA projections that fused_lora patched: fused LoRA blocks
-                out = lora_mlp(module.gate_proj, module.up_proj, down, x, activation)
+                out = lora_mlp(self.gate_proj, self.up_proj, down, x, activation)
                 if out is not None:
                     if not torch.compiler.is_compiling():
                         blocks[0] += 1
                         row.note_runtime("lora_blocks", f"{blocks[0]} forwards as fused LoRA MLP blocks")
                     return out
-            g, u = module.gate_proj(x), module.up_proj(x)
+            g, u = self.gate_proj(x), self.up_proj(x)
             if _plain_linear(down):  # the product is recomputed in the backward instead of kept
                 return glu_linear(g, u, down.weight, down.bias, activation)
             return down(glu(g, u, activation))  # e.g. a PEFT LoRA or quantized layer: its own forward
@@ -160,8 +164,6 @@ class _ThreadFlag(threading.local):
 
 
 _ROPE_ACTIVE = _ThreadFlag()
-_rope_lock = threading.Lock()
-_rope_installs: dict[tuple[str, str], list] = {}  # (module, name) -> [original, refcount]
 
 
 def _foak_apply_rotary_pos_emb(original):
@@ -182,26 +184,9 @@ def _foak_apply_rotary_pos_emb(original):
     return apply_rotary_pos_emb
 
 
-def _install_rope(module_name: str, attr: str) -> None:
-    with _rope_lock:
-        key = (module_name, attr)
-        entry = _rope_installs.get(key)
-        if entry is None:
-            module = sys.modules[module_name]
-            original = getattr(module, attr)
-            setattr(module, attr, _foak_apply_rotary_pos_emb(original))
-            entry = _rope_installs[key] = [original, 0]
-        entry[1] += 1
-
-
-def _uninstall_rope(module_name: str, attr: str) -> None:
-    with _rope_lock:
-        key = (module_name, attr)
-        entry = _rope_installs[key]
-        entry[1] -= 1
-        if entry[1] == 0:
-            setattr(sys.modules[module_name], attr, entry[0])
-            del _rope_installs[key]
+def _install_rope(module_name: str, attr: str):
+    module = sys.modules[module_name]
+    return globals_.replace_attribute(module, attr, _foak_apply_rotary_pos_emb(getattr(module, attr)))
 
 
 def rope_rule(arch: str, attention_class: type, function_name: str = "apply_rotary_pos_emb") -> Rule:
@@ -212,26 +197,25 @@ def rope_rule(arch: str, attention_class: type, function_name: str = "apply_rota
             return f"{module_name} has no {function_name} to route through foak"
         return None
 
-    def patch(module, model, state):
-        _install_rope(module_name, function_name)
-        # released by restore(), or when the module is garbage-collected without one
-        state.on_restore(weakref.finalize(module, _uninstall_rope, module_name, function_name))
-        original_forward = module.forward
+    rule_id = f"{arch}.rope"
 
-        @functools.wraps(original_forward)  # keeps the signature (HF Trainer inspects it)
-        def forward(*args, **kwargs):
+    def patch(module, model, state):
+        globals_.acquire_for(module, state, ("rope", module_name, function_name),
+                             functools.partial(_install_rope, module_name, function_name))
+
+        def forward(self, *args, **kwargs):
             # under autocast over fp32 weights, q/k/v share one cast of the input (foak.patching.autocast)
             args, kwargs = cast_first_argument(args, kwargs)
             previous = _ROPE_ACTIVE.on
             _ROPE_ACTIVE.on = True
             try:
-                return original_forward(*args, **kwargs)
+                return next_forward(self, rule_id)(*args, **kwargs)
             finally:
                 _ROPE_ACTIVE.on = previous
 
         return forward
 
-    return Rule(f"{arch}.rope", "rope", Trigger(attention_class), patch, skip_reason)
+    return Rule(rule_id, "rope", Trigger(attention_class), patch, skip_reason)
 
 
 # ---- loss --------------------------------------------------------------------------------------------
@@ -266,10 +250,22 @@ def fused_loss_chunk_bytes(weight: torch.Tensor) -> int:
     return FUSED_LOSS_CHUNK_BYTES
 
 
+def _head_linears(head) -> list[nn.Linear]:
+    """The nn.Linear modules that compute ``head``'s output: the head itself, or for a PEFT
+    ``modules_to_save`` wrapper around it, the original and each trainable copy (the wrapper calls one)."""
+    if isinstance(head, nn.Linear):
+        return [head]
+    original, copies = getattr(head, "original_module", None), getattr(head, "modules_to_save", None)
+    if isinstance(original, nn.Linear) and isinstance(copies, nn.ModuleDict) and \
+            all(isinstance(m, nn.Linear) for m in copies.values()):
+        return [original, *copies.values()]
+    return []
+
+
 def _causal_lm_skip_reason(model):
     if getattr(model.config, "final_logit_softcapping", None):
         return "final_logit_softcapping is applied between lm_head and the loss (not a linear map)"
-    if not isinstance(getattr(model, "lm_head", None), nn.Linear):
+    if not _head_linears(getattr(model, "lm_head", None)):
         return "the model has no nn.Linear lm_head"
     return None
 
@@ -295,9 +291,10 @@ def _hf_loss_arguments(labels, shift_labels, ignore_index):
     return labels, True
 
 
-class _LossRequest(threading.local):
+class _LossRequest(SharedAcrossCopies, threading.local):
     """Per thread: the loss arguments of the patched training forward in progress (None outside one), and
-    the loss the LM head computed from them."""
+    the loss the LM head computed from them. A copy of the LM head (PEFT's ``modules_to_save``) listens to
+    the same causal LM's requests."""
 
     def __init__(self):
         self.args = None
@@ -329,32 +326,34 @@ def fused_linear_loss_rule(arch: str, causal_lm_class: type, logits_divisor: str
     which the architecture divides its logits before the loss (Granite's ``logits_scaling``), applied inside
     the loss; anything else between head and loss is an error."""
 
+    rule_id = f"{arch}.fused_linear_loss"
+
     def patch(model_module, model, state):
         # model_module is the causal LM itself (model may be a wrapper around it, e.g. a PeftModel)
         lm_head = model_module.lm_head
-        head_forward = lm_head.forward
         request = _LossRequest()
         divisor = float(getattr(model_module.config, logits_divisor)) if logits_divisor else None
 
-        def lm_head_forward(hidden_states):
+        def lm_head_forward(self, hidden_states):
             if request.args is None:
-                return head_forward(hidden_states)
+                return next_forward(self, rule_id)(hidden_states)
             if request.loss is not None:
                 raise RuntimeError("foak fused_linear_loss: lm_head was called twice in one training forward")
             labels, shift_labels, ignore_index, num_items_in_batch = request.args
             target, shift = _hf_loss_arguments(labels, shift_labels, ignore_index)
-            weight = lm_head.weight  # read now: inside the head's forward, gathered if it is sharded
+            weight = self.weight  # read now: inside the head's forward, gathered if it is sharded
             hidden = hidden_states.to(weight.dtype)  # the head's own dtype, as nn.Linear requires
             if not shift:
                 hidden = hidden.reshape(-1, hidden.shape[-1])
                 target = target.reshape(-1)
             request.loss = linear_cross_entropy(
-                hidden, weight, target.to(hidden.device), lm_head.bias, shift=shift, ignore_index=ignore_index,
+                hidden, weight, target.to(hidden.device), self.bias, shift=shift, ignore_index=ignore_index,
                 num_items_in_batch=num_items_in_batch, logits_scaling=divisor or 1.0,
                 chunk_bytes=fused_loss_chunk_bytes(weight))
             return request.loss
 
-        state.set_forward(lm_head, lm_head_forward)
+        for linear in _head_linears(lm_head):  # (PEFT's modules_to_save: the original and its copies)
+            state.set_forward(linear, lm_head_forward)
         for hook in FUSED_HEAD_HOOKS:  # e.g. TRL's own fused head, which skips lm_head and the loss
             hook(model_module, state, fused_loss_chunk_bytes)
 
@@ -380,24 +379,23 @@ def fused_linear_loss_rule(arch: str, causal_lm_class: type, logits_divisor: str
 
         original_loss = model_module.loss_function
         _set_loss_function(model_module, state, loss_function)
-        original_forward = model_module.forward
         result, unlabelled = state.result, [0]
 
-        @functools.wraps(original_forward)  # keeps the signature (HF Trainer inspects it)
-        def forward(*args, **kwargs):
+        def forward(self, *args, **kwargs):
+            original_forward = next_forward(self, rule_id)
             if kwargs.get("labels") is None or not torch.is_grad_enabled():
-                if torch.is_grad_enabled() and model_module.training and not torch.compiler.is_compiling():
+                if torch.is_grad_enabled() and self.training and not torch.compiler.is_compiling():
                     # a training forward the rule cannot act on: the caller computes the loss from the logits
                     unlabelled[0] += 1
                     result.note_runtime("no_labels", (
                         f"{unlabelled[0]} training forward{'s' if unlabelled[0] > 1 else ''} without labels "
                         "computed logits: the caller's loss ran, not foak's (e.g. a compute_loss_func or "
                         "label smoothing)"))
-                model_module.loss_function = original_loss
+                self.loss_function = original_loss
                 try:
                     return original_forward(*args, **kwargs)
                 finally:
-                    model_module.loss_function = loss_function
+                    self.loss_function = loss_function
             previous = request.args, request.loss
             request.args = (kwargs["labels"], kwargs.get("shift_labels"), kwargs.get("ignore_index", -100),
                             kwargs.get("num_items_in_batch"))
@@ -413,12 +411,13 @@ def fused_linear_loss_rule(arch: str, causal_lm_class: type, logits_divisor: str
 
         return forward
 
-    return Rule(f"{arch}.fused_linear_loss", "fused_linear_loss", Trigger(causal_lm_class), patch,
-                _causal_lm_skip_reason)
+    return Rule(rule_id, "fused_linear_loss", Trigger(causal_lm_class), patch, _causal_lm_skip_reason)
 
 
 def loss_rule(arch: str, causal_lm_class: type) -> Rule:
     """fast_loss: the model computes its logits as usual; foak's cross-entropy kernel computes the loss."""
+
+    rule_id = f"{arch}.loss"
 
     def patch(model_module, model, state):
         def loss_function(logits, labels, vocab_size=None, num_items_in_batch=None, ignore_index=-100,
@@ -430,9 +429,13 @@ def loss_rule(arch: str, causal_lm_class: type) -> Rule:
                                  ignore_index=ignore_index, num_items_in_batch=num_items_in_batch)
 
         _set_loss_function(model_module, state, loss_function)
-        return model_module.forward  # the forward itself is unchanged
 
-    return Rule(f"{arch}.loss", "loss", Trigger(causal_lm_class), patch)
+        def forward(self, *args, **kwargs):  # the forward itself is unchanged
+            return next_forward(self, rule_id)(*args, **kwargs)
+
+        return forward
+
+    return Rule(rule_id, "loss", Trigger(causal_lm_class), patch)
 
 
 def causal_lm_rules(arch: str, causal_lm_class: type, logits_divisor: str | None = None) -> list[Rule]:

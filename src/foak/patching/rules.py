@@ -1,18 +1,13 @@
 """The generic patching mechanism: rules, triggers, apply / restore and the report.
 
-A :class:`Rule` says what happens to every module that matches its :class:`Trigger`. Two kinds:
-
-- ``kind="forward"``: the module's ``forward`` is replaced by what the rule's ``patch`` function returns
-  (an instance attribute, so the class and every other model stay untouched);
-- ``kind="implementation"``: the module already dispatches at call time on a setting it reads (e.g.
-  transformers' experts modules on ``config._experts_implementation``); ``patch`` returns a
-  :class:`Selection` (set this attribute of that object to this value), which apply sets once per object
-  and restore puts back exactly as it was.
-
-For either kind ``patch`` may return :class:`Skip` instead: the module stays as it is, and the reason is
-counted in the rule's report row. ``patch`` may also install something module-global through the
-:class:`PatchState` it receives, which undoes it on restore. Parameters, buffers and therefore
-``state_dict()`` are never touched.
+A :class:`Rule` says what happens to every module that matches its :class:`Trigger`: the module's
+``forward`` is replaced by what the rule's ``patch`` function returns, installed on the instance and bound
+to it (types.MethodType), so the class, every other model and every copy of the module stay right: a deep
+copy of a patched module (PEFT's ``modules_to_save``) computes with its own parameters. ``patch`` may return
+:class:`Skip` instead: the module stays as it is, and the reason is counted in the rule's report row.
+``patch`` may also install something shared (a module global, a registry entry) through foak.patching.globals
+and the :class:`PatchState` it receives, which undoes it on restore while nothing was installed over it.
+Parameters, buffers and therefore ``state_dict()`` are never touched.
 
 The :class:`PatchReport` tells what runs when it is read, not what ran when the model was patched: its
 backend column comes from the dispatch setting (foak.backend) and the devices the model's parameters are
@@ -21,6 +16,8 @@ on at that moment, and a rule can add notes to its row at call time (:meth:`Rule
 
 from __future__ import annotations
 
+import inspect
+import types
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -59,30 +56,13 @@ class Skip:
 
 
 @dataclass(frozen=True)
-class Selection:
-    """Returned by the ``patch`` of a ``kind="implementation"`` rule: set ``target.<attribute>`` to
-    ``value`` (e.g. the implementation name on the config a module reads it from). Several modules may
-    select the same value on one shared target: it is set once, and restore puts back what was there (the
-    previous instance value, or no instance attribute at all). Two different values for one target are an
-    error. ``label`` names the setting in the report row (default: the attribute's name)."""
-
-    target: object
-    attribute: str
-    value: object
-    label: str | None = None
-
-
-RULE_KINDS = ("forward", "implementation")
-
-
-@dataclass(frozen=True)
 class Rule:
     """``id`` is stable (``llama.rms_norm``); ``switch`` is the config switch that enables it (see
     foak.config: rms_norm, rope, swiglu, loss, fused_linear_loss, lora, moe, packed_attention).
-    ``patch(module, model, state)`` returns, for ``kind="forward"``, the new forward of ``module``; for
-    ``kind="implementation"``, the :class:`Selection` that makes the module run foak's implementation (it may
-    also replace forwards through ``state.set_forward``); for either, :class:`Skip` to leave
-    this module alone (with the reason). ``skip_reason(model)`` may explain why the rule does not apply to
+    ``patch(module, model, state)`` returns the new forward of ``module`` as a function
+    ``forward(self, *args, **kwargs)`` that reads the module as ``self`` (installed bound to the module, so a copy
+    of the module computes with its own parameters; :func:`next_forward` gives what it wraps), or :class:`Skip`
+    to leave this module alone (with the reason). ``skip_reason(model)`` may explain why the rule does not apply to
     this model (reported, never silent). ``state.result`` is the rule's report row while ``patch`` runs: a
     replacement that keeps it can report what happens at call time with ``note_runtime``.
     ``describe(model)`` may add a patch-time note to the row once matching is done (e.g. which modules of
@@ -91,14 +71,9 @@ class Rule:
     id: str
     switch: str
     trigger: Trigger
-    patch: Callable[[nn.Module, nn.Module, PatchState], Callable | Selection | Skip]
+    patch: Callable[[nn.Module, nn.Module, PatchState], Callable | Skip]
     skip_reason: Callable[[nn.Module], str | None] | None = None
     describe: Callable[[nn.Module], str | None] | None = None
-    kind: str = "forward"
-
-    def __post_init__(self):
-        if self.kind not in RULE_KINDS:
-            raise ValueError(f"Rule {self.id}: kind must be one of {RULE_KINDS}, got {self.kind!r}")
 
 
 class RuleResult:
@@ -176,70 +151,130 @@ class PatchReport:
         return {**self.__dict__, "_model": None}
 
 
+class SharedAcrossCopies:
+    """Mix-in for call-time state that a replacement forward shares with its rule (a report row's counts, a
+    per-thread request): a copy of the patched module (``copy.deepcopy``, PEFT's ``modules_to_save``) keeps
+    reporting to the same row rather than to a detached copy of it."""
+
+    def __deepcopy__(self, memo):
+        return self
+
+    def __copy__(self):
+        return self
+
+
+# module.__dict__ key: {rule id: [what module.forward was before (None: the class's), active, the installed
+# forward, the rule's function it calls while active]}
+_LINKS = "_foak_forwards"
+
+
+def _signature_with_self(forward: Callable) -> inspect.Signature | None:
+    """The signature of a bound ``forward`` with a leading ``self``: what a function installed as a method in
+    its place must declare so that ``inspect.signature`` of the bound method matches (HF Trainer reads it)."""
+    try:
+        signature = inspect.signature(forward)
+    except (TypeError, ValueError):
+        return None
+    self_parameter = inspect.Parameter("self", inspect.Parameter.POSITIONAL_ONLY)
+    return signature.replace(parameters=[self_parameter, *signature.parameters.values()])
+
+
+def next_forward(module: nn.Module, rule_id: str) -> Callable:
+    """The forward that the forward rule ``rule_id`` installed on ``module`` wraps: the instance forward that was
+    there before it (another rule's, another library's), else the class's forward, bound to ``module``."""
+    previous = module.__dict__[_LINKS][rule_id][0]
+    return previous if previous is not None else type(module).forward.__get__(module)
+
+
+def forward_link(module: nn.Module, rule_id: str) -> bool:
+    """Whether ``module`` (or the module it was copied from) holds rule ``rule_id``'s forward, still active."""
+    link = module.__dict__.get(_LINKS, {}).get(rule_id)
+    return link is not None and link[1]
+
+
+def install_forward(module: nn.Module, rule_id: str, function: Callable) -> Callable:
+    """Install ``function(self, *args, **kwargs)`` as ``module.forward``, bound to the module
+    (types.MethodType): a deep copy of the module (PEFT's ``modules_to_save``, an EMA copy) gets it bound to
+    the copy, computing with the copy's parameters. What ``module.forward`` was before is kept on the module
+    (:func:`next_forward`); the bound forward declares its signature (HF Trainer reads it). Returns the bound
+    forward. ``function`` must not hold the module itself (a copy would compute with the original)."""
+    links = module.__dict__.setdefault(_LINKS, {})
+    link = links.get(rule_id)
+    if link is not None:
+        if link[1]:
+            raise ValueError(f"foak: {type(module).__name__} already holds the forward of rule {rule_id}")
+        # restored while another library's forward wrapped foak's, now patched again: active again in place
+        link[1], link[3] = True, function
+        return module.forward
+    previous = module.__dict__.get("forward")
+    signature = _signature_with_self(module.forward)
+
+    def forward(self, *args, **kwargs):
+        link = self.__dict__[_LINKS][rule_id]
+        if link[1]:
+            return link[3](self, *args, **kwargs)
+        return next_forward(self, rule_id)(*args, **kwargs)  # restored while another forward wrapped it
+
+    if signature is not None:
+        forward.__signature__ = signature
+    forward.__foak_rule__ = rule_id
+    links[rule_id] = [previous, True, forward, function]
+    bound = types.MethodType(forward, module)
+    module.__dict__["forward"] = bound
+    return bound
+
+
+def uninstall_forwards(module: nn.Module) -> None:
+    """Undo foak's forwards on ``module``, last installed first. Where another forward was installed over
+    foak's after it (e.g. TRL's fused LM head), that one stays, and foak's underneath only passes calls on."""
+    links = module.__dict__.get(_LINKS)
+    if not links:
+        return
+    for rule_id in reversed(list(links)):
+        previous, _, forward, _ = link = links[rule_id]
+        current = module.__dict__.get("forward")
+        if getattr(current, "__func__", None) is forward:
+            if previous is None:
+                module.__dict__.pop("forward", None)
+            else:
+                module.__dict__["forward"] = previous
+            del links[rule_id]
+        else:
+            link[1] = False
+    if not links:
+        module.__dict__.pop(_LINKS, None)
+
+
 class PatchState:
-    """What restore() needs: the instance forwards replaced and the module-global undo actions."""
+    """What restore() needs: the modules whose forwards were replaced and the module-global undo actions."""
 
     def __init__(self, report: PatchReport):
         self.report = report
         self.result: RuleResult | None = None  # the row of the rule being applied
-        self.forwards: list[tuple[nn.Module, object]] = []  # (module, previous instance forward or _MISSING)
+        self.modules: list[nn.Module] = []  # modules given a forward (restore also finds copies of them)
         self.undo: list[Callable[[], None]] = []
-        # (id(target), attribute) -> (target, value set, value before): the Selections made so far
-        self.selected: dict[tuple[int, str], tuple[object, object, object]] = {}
 
     def set_forward(self, module: nn.Module, forward: Callable) -> None:
-        self.forwards.append((module, module.__dict__.get("forward", _MISSING)))
-        module.forward = forward
+        """Install ``forward(self, *args, **kwargs)`` as the module's forward for the rule being applied (see
+        :func:`install_forward`)."""
+        install_forward(module, self.result.rule_id, forward)
+        self.modules.append(module)
 
     def on_restore(self, fn: Callable[[], None]) -> None:
         self.undo.append(fn)
-
-    def previous_value(self, target: object, attribute: str, default=None):
-        """``target.<attribute>`` as it was before this patch set it (its current value if it did not)."""
-        entry = self.selected.get((id(target), attribute))
-        if entry is not None:
-            return default if entry[2] is _MISSING else entry[2]
-        return getattr(target, attribute, default)
-
-    def set_attribute(self, target: object, attribute: str, value: object) -> bool:
-        """Set ``target.<attribute> = value`` until restore (see :class:`Selection`); False if this patch had
-        already set it to that value."""
-        key = (id(target), attribute)
-        entry = self.selected.get(key)
-        if entry is not None:
-            if entry[1] != value:
-                raise ValueError(f"foak: two rules set {type(target).__name__}.{attribute} to {entry[1]!r} and "
-                                 f"{value!r}; they cannot both apply")
-            return False
-        if hasattr(getattr(type(target), attribute, None), "__set__"):  # a property: set back through it
-            previous = getattr(target, attribute)
-            self.selected[key] = (target, value, previous)
-            setattr(target, attribute, value)
-            self.undo.append(lambda: setattr(target, attribute, previous))
-            return True
-        own = vars(target)
-        previous = own.get(attribute, _MISSING)
-        self.selected[key] = (target, value, previous if previous is not _MISSING else getattr(target, attribute,
-                                                                                               _MISSING))
-        setattr(target, attribute, value)
-
-        def undo():
-            if previous is _MISSING:
-                own.pop(attribute, None)  # the class attribute (or its absence) shows again
-            else:
-                own[attribute] = previous
-
-        self.undo.append(undo)
-        return True
 
 
 _MISSING = object()
 
 
-def apply(model: nn.Module, rules: list[Rule], model_type: str = "", _report: PatchReport | None = None
-          ) -> PatchReport:
+def apply(model: nn.Module, rules: list[Rule], model_type: str = "", _report: PatchReport | None = None,
+          watch=None) -> PatchReport:
     """Patch ``model`` in place with ``rules``; applying the same rules again is a no-op that returns the
-    first report, applying different ones is an error (restore first)."""
+    first report, applying different ones is an error (restore first).
+
+    ``watch``: an object with ``start(model)``, ``changed(model) -> bool`` and ``update(model, state)``:
+    before each eager forward of ``model``, ``update`` runs when ``changed`` says the model gained modules the
+    rules should see (e.g. PEFT LoRA layers added after patching; foak.patching.new_layers)."""
     state = model.__dict__.get(_STATE_ATTR)
     if state is not None:
         if [r.id for r in state.rules] != [r.id for r in rules]:
@@ -265,7 +300,6 @@ def apply(model: nn.Module, rules: list[Rule], model_type: str = "", _report: Pa
             if rule.id in previous:
                 result.runtime.update(previous[rule.id].runtime)
             skipped: dict[tuple[str, str], int] = {}
-            selections: dict[tuple[str, object, object], int] = {}
             for name, module in named:
                 if rule.trigger.matches(name, module, model):
                     out = rule.patch(module, model, state)
@@ -273,24 +307,13 @@ def apply(model: nn.Module, rules: list[Rule], model_type: str = "", _report: Pa
                         key = (type(module).__name__, out.reason)
                         skipped[key] = skipped.get(key, 0) + 1
                         continue
-                    if rule.kind == "implementation":
-                        if not isinstance(out, Selection):
-                            raise TypeError(f"rule {rule.id}: patch must return a Selection or Skip, got "
-                                            f"{type(out).__name__}")
-                        before = state.previous_value(out.target, out.attribute)
-                        if state.set_attribute(out.target, out.attribute, out.value):
-                            key = (out.label or out.attribute, before, out.value)
-                            selections[key] = selections.get(key, 0) + 1
-                    else:
-                        if not callable(out):
-                            raise TypeError(f"rule {rule.id}: patch must return the new forward or Skip, got "
-                                            f"{type(out).__name__}")
-                        state.set_forward(module, out)
+                    if not callable(out):
+                        raise TypeError(f"rule {rule.id}: patch must return the new forward or Skip, got "
+                                        f"{type(out).__name__}")
+                    state.set_forward(module, out)
                     result.modules += 1
             state.result = None
-            notes = [f"{label}: {before!r} -> {value!r}" + (f" on {n} objects" if n > 1 else "")
-                     for (label, before, value), n in selections.items()]
-            notes += [f"{n} {cls} module{'s' if n > 1 else ''} not patched: {why}"
+            notes = [f"{n} {cls} module{'s' if n > 1 else ''} not patched: {why}"
                       for (cls, why), n in sorted(skipped.items())]
             if not result.modules:
                 result._backend = "-"
@@ -304,37 +327,85 @@ def apply(model: nn.Module, rules: list[Rule], model_type: str = "", _report: Pa
     except BaseException:
         _undo(state)
         raise
-    state.rules, state.model_type = list(rules), model_type
+    state.rules, state.model_type, state.watch = list(rules), model_type, watch
+    if watch is not None:
+        watch.start(model)
+        install_forward(model, _WATCH_ID, _watching_forward)
+        state.modules.append(model)
     object.__setattr__(model, _STATE_ATTR, state)  # a plain attribute: not a submodule, not in state_dict
-    # the replacement forwards close over this model's modules: a deepcopy (a TRL reference model, an EMA
-    # copy) must get its own patch, not share ours
+    # a deepcopy (a TRL reference model, an EMA copy) gets its own patch: its own report, its own share of the
+    # module globals, restorable on its own
     object.__setattr__(model, "__deepcopy__", lambda memo: _deepcopy_patched(model, memo))
+    # pickling (torch.save of the whole model) stores an unpatched copy and the rules' ids: it loads patched
+    object.__setattr__(model, "__reduce_ex__", lambda protocol: _reduce_patched(model))
     return report
 
 
 def restore(model: nn.Module) -> nn.Module:
-    """Undo every patch of ``model`` (a model that was never patched is returned unchanged)."""
-    state = model.__dict__.pop(_STATE_ATTR, None)
-    if state is not None:
-        model.__dict__.pop("__deepcopy__", None)
-        _undo(state)
+    """Undo every patch of ``model``: foak's forwards on its modules (copies of patched modules inside it, e.g.
+    PEFT's ``modules_to_save``, included) and what foak installed module-globally for it, where nothing was
+    installed over it since. Also undoes the forwards of a module that holds copies of patched modules but was
+    never patched itself. Returns ``model``."""
+    for module in model.modules():  # the model, or the module foak patched inside it (a PEFT wrapper's base)
+        state = module.__dict__.pop(_STATE_ATTR, None)
+        if state is not None:
+            module.__dict__.pop("__deepcopy__", None)
+            module.__dict__.pop("__reduce_ex__", None)
+            _undo(state)
+    for module in model.modules():
+        uninstall_forwards(module)
     return model
+
+
+_WATCH_ID = "foak.watch"
+
+
+def _watching_forward(self, *args, **kwargs):
+    if not torch.compiler.is_compiling():  # (tracing must not re-patch: see foak.patching.new_layers)
+        state = self.__dict__.get(_STATE_ATTR)
+        if state is not None and state.watch is not None and state.watch.changed(self):
+            state.watch.update(self, state)
+            return self.forward(*args, **kwargs)  # the forward of the model as patched now
+    return next_forward(self, _WATCH_ID)(*args, **kwargs)
 
 
 def _deepcopy_patched(model: nn.Module, memo: dict) -> nn.Module:
     """deepcopy of a patched model: copy the unpatched model, then patch the copy (and the original again)
     with the same rules."""
+    state = model.__dict__[_STATE_ATTR]
+    clone = _unpatched_copy(model, memo)
+    apply(clone, state.rules, state.model_type, watch=state.watch)
+    return clone
+
+
+def _unpatched_copy(model: nn.Module, memo: dict | None = None) -> nn.Module:
     import copy
 
     state = model.__dict__[_STATE_ATTR]
-    rules, model_type, report = state.rules, state.model_type, state.report
+    rules, model_type, report, watch = state.rules, state.model_type, state.report, state.watch
     restore(model)
     try:
-        clone = copy.deepcopy(model, memo)
+        return copy.deepcopy(model, memo)
     finally:
-        apply(model, rules, model_type, _report=report)  # the report the user holds stays the live one
-    apply(clone, rules, model_type)
-    return clone
+        apply(model, rules, model_type, _report=report, watch=watch)  # the report the user holds stays live
+
+
+def _reduce_patched(model: nn.Module):
+    """Pickle a patched model as an unpatched copy (the whole model is copied once, transiently) and the ids of
+    the rules it is patched with; unpickling patches it again with the rules of its architecture."""
+    state = model.__dict__[_STATE_ATTR]
+    return _unpickle_patched, (_unpatched_copy(model), [r.id for r in state.rules], state.model_type, state.watch)
+
+
+def _unpickle_patched(model: nn.Module, rule_ids: list[str], model_type: str, watch) -> nn.Module:
+    from foak.models import rules_for  # (imported when a pickled patched model is loaded)
+
+    by_id = {r.id: r for r in rules_for(model)}
+    missing = [i for i in rule_ids if i not in by_id]
+    if missing:
+        raise ValueError(f"foak: the pickled model was patched with rules this foak does not have: {missing}")
+    apply(model, [by_id[i] for i in rule_ids], model_type, watch=watch)
+    return model
 
 
 def is_patched(model: nn.Module) -> bool:
@@ -342,13 +413,9 @@ def is_patched(model: nn.Module) -> bool:
 
 
 def _undo(state: PatchState) -> None:
-    for module, previous in reversed(state.forwards):
-        if previous is _MISSING:
-            module.__dict__.pop("forward", None)
-        else:
-            module.forward = previous
+    for module in reversed(state.modules):
+        uninstall_forwards(module)
     for fn in reversed(state.undo):
         fn()
-    state.forwards.clear()
+    state.modules.clear()
     state.undo.clear()
-    state.selected.clear()
