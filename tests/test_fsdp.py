@@ -22,9 +22,9 @@ inside the head's forward), a MixedPrecisionPolicy with fp32 params and bf16 par
 unpatched model under the same policy, both against fp32); patched after fully_shard instead of before. A
 tiny PEFT LoRA Llama (fused_lora; also with every LoRA layer's base and adapter linears FSDP units of their
 own), a LoRA Llama on a GPTQ-4bit base (foak.quant) and on a bitsandbytes NF4
-base (its Params4bit kept out of sharding, quant_state intact), a tiny Mixtral (fast_moe, tied embeddings). Where bitsandbytes' CPU dequantization is wrong (bitsandbytes 0.50.2
-on AVX-512 CPUs, foak.patching.bnb_cpu), the ranks run it as the NF4 formula
-(foak.testing.bitsandbytes_dequant_by_formula)."""
+base (its Params4bit kept out of sharding, quant_state intact), a tiny Mixtral (fast_moe, tied embeddings).
+Where bitsandbytes' CPU dequantization is wrong (bitsandbytes 0.50.2 on AVX-512 CPUs, foak.patching.bnb_cpu), the
+ranks run it as the NF4 formula (foak.testing.bitsandbytes_dequant_by_formula)."""
 
 from __future__ import annotations
 

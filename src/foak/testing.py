@@ -244,7 +244,8 @@ def _formula_dequantize_4bit(A, absmax, blocksize, quant_type, shape, dtype):
     from foak.ops.nf4 import NF4_LEVELS, nf4_dequantize_reference
 
     if quant_type != "nf4":
-        raise NotImplementedError(f"foak.testing replaces bitsandbytes' CPU dequantize_4bit for NF4 only, not {quant_type}")
+        raise NotImplementedError(f"foak.testing replaces bitsandbytes' CPU dequantize_4bit for NF4 only, not "
+                                  f"{quant_type}")
     packed = A if A.dtype == torch.uint8 else A.view(torch.uint8)
     return nf4_dequantize_reference(packed.reshape(-1), absmax.float(), tuple(shape), dtype,
                                     code=torch.tensor(NF4_LEVELS, device=A.device), blocksize=blocksize)

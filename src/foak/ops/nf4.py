@@ -265,7 +265,8 @@ def nf4_dequantize(
     (a one-element fp32 tensor or a float). From a bitsandbytes ``QuantState`` ``qs``: ``absmax=qs.absmax,
     shape=qs.shape, dtype=qs.dtype, code=qs.code, blocksize=qs.blocksize`` and, if ``qs.nested``,
     ``nested_absmax=qs.state2.absmax, nested_code=qs.state2.code, nested_blocksize=qs.state2.blocksize,
-    offset=qs.offset``. The result equals ``bitsandbytes.functional.dequantize_4bit`` bit for bit.
+    offset=qs.offset``. The result is the NF4 formula's, and so ``bitsandbytes.functional.dequantize_4bit``'s bit
+    for bit (on CUDA; on CPU where bitsandbytes' own kernel is right, see foak.patching.bnb_cpu).
     """
     args = _prepare(packed, absmax, shape, dtype, code, blocksize, nested_absmax, nested_code, nested_blocksize,
                     offset)
