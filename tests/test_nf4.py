@@ -300,6 +300,7 @@ def _patch_and_warnings(model, **switches):
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         report = foak.patch(model, **switches)
+        assert foak.patch(model, **switches) is report  # patching twice: the same report, said once
     foak.restore(model)
     return report, [str(w.message) for w in caught if "dequantize_4bit" in str(w.message)]
 
@@ -334,6 +335,7 @@ def test_patch_reports_nf4_layers_bitsandbytes_dequantizes_wrong_on_this_cpu(mon
     try:
         report, warned = _patch_and_warnings(model, fused_lora=True)
         assert "wrong here for 14/14 NF4 layers (in_features 64, 96)" in report.result("llama.fused_lora").notes
+        assert report.result("llama.fused_lora").notes.count("wrong here") == 1
         assert len(warned) == 1 and "for 14 of the model's 14 NF4 layers" in warned[0], warned
         # without fused_lora every 4-bit layer runs bitsandbytes' forward: a row of its own (warned once only)
         report, warned = _patch_and_warnings(model, fast_rms_layernorm=True)

@@ -109,7 +109,7 @@ def _note_bitsandbytes_cpu(model, report: PatchReport) -> None:
     from foak.patching.bnb_cpu import check_model
 
     note = check_model(model, stacklevel=4)  # (the warning points at foak.patch's caller)
-    if note is None:
+    if note is None or any(note in r.note for r in report.results):  # (patching twice returns the same report)
         return
     row = next((r for r in report.results if r.rule_id.endswith(".fused_lora")), None)
     if row is None:
