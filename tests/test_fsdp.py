@@ -22,7 +22,9 @@ inside the head's forward), a MixedPrecisionPolicy with fp32 params and bf16 par
 unpatched model under the same policy, both against fp32); patched after fully_shard instead of before. A
 tiny PEFT LoRA Llama (fused_lora; also with every LoRA layer's base and adapter linears FSDP units of their
 own), a LoRA Llama on a GPTQ-4bit base (foak.quant) and on a bitsandbytes NF4
-base (its Params4bit kept out of sharding, quant_state intact), a tiny Mixtral (fast_moe, tied embeddings)."""
+base (its Params4bit kept out of sharding, quant_state intact), a tiny Mixtral (fast_moe, tied embeddings).
+Where bitsandbytes' CPU dequantization is wrong (bitsandbytes 0.50.2 on AVX-512 CPUs, foak.patching.bnb_cpu), the
+ranks run it as the NF4 formula (foak.testing.bitsandbytes_dequant_by_formula)."""
 
 from __future__ import annotations
 
@@ -259,6 +261,15 @@ def _dtensor_guard(mesh):
 
 
 def _rank_main(rank, world):
+    from foak.testing import bitsandbytes_dequant_by_formula
+
+    # the NF4 case's unpatched models compute with bitsandbytes' CPU dequantization: the NF4 formula's where
+    # bitsandbytes' own is wrong on this CPU (foak.patching.bnb_cpu; foak's fused path never calls it)
+    with bitsandbytes_dequant_by_formula():
+        return _run_cases(rank, world)
+
+
+def _run_cases(rank, world):
     from torch.distributed.device_mesh import init_device_mesh
 
     from foak.backend import set_backend

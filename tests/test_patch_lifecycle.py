@@ -8,6 +8,7 @@ here is which code runs, counted in the report."""
 from __future__ import annotations
 
 import copy
+import gc
 import io
 import pickle
 import re
@@ -139,6 +140,7 @@ def test_pickle_of_a_patched_model_loads_patched():
     assert_same_training(loaded, ref)
     assert_same_training(model, ref)
     assert pickle.loads(pickle.dumps(foak.restore(loaded))) is not None
+    foak.restore(model)
 
 
 # ---- LoRA layers that appear after foak.patch --------------------------------------------------------
@@ -212,9 +214,24 @@ def test_two_models_from_one_config(arch):
     assert config._attn_implementation == "sdpa"
 
 
+ROPE = ("rope", "transformers.models.llama.modeling_llama", "apply_rotary_pos_emb")
+
+
+def rope_users() -> int:
+    from foak.patching import globals as globals_
+
+    return globals_.users(ROPE)
+
+
+def no_patched_llama_alive():
+    gc.collect()  # patched models of earlier tests release foak's RoPE global when they are collected
+    assert rope_users() == 0
+
+
 def test_restore_keeps_what_others_installed_after_foak():
     from transformers.models.llama import modeling_llama
 
+    no_patched_llama_alive()
     original = modeling_llama.apply_rotary_pos_emb
     ref = tiny_model("llama")
     model = copy.deepcopy(ref)
@@ -255,10 +272,12 @@ def test_restore_keeps_what_others_installed_after_foak():
 def test_patch_deepcopy_restore_both_leaves_the_originals():
     from transformers.models.llama import modeling_llama
 
+    no_patched_llama_alive()
     original = modeling_llama.apply_rotary_pos_emb
     model = tiny_model("llama")
     foak.patch(model)
     clone = copy.deepcopy(model)
+    assert rope_users() == 2 * LAYERS  # one per patched attention module
     assert foak.patching.is_patched(clone)
     foak.restore(model)
     assert modeling_llama.apply_rotary_pos_emb is not original  # the clone still uses it

@@ -7,6 +7,7 @@ values, and reports the relative error ``||out - ref|| / ||ref||`` of every outp
 
 from __future__ import annotations
 
+import contextlib
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -236,3 +237,39 @@ def run_self_check(device="cpu", dtypes=(torch.float32, torch.bfloat16)) -> list
                 "passed": all(e <= tol for e in errors.values()),
             })
     return rows
+
+
+# bitsandbytes ------------------------------------------------------------------------------------------------
+def _formula_dequantize_4bit(A, absmax, blocksize, quant_type, shape, dtype):
+    from foak.ops.nf4 import NF4_LEVELS, nf4_dequantize_reference
+
+    if quant_type != "nf4":
+        raise NotImplementedError(f"foak.testing replaces bitsandbytes' CPU dequantize_4bit for NF4 only, not "
+                                  f"{quant_type}")
+    packed = A if A.dtype == torch.uint8 else A.view(torch.uint8)
+    return nf4_dequantize_reference(packed.reshape(-1), absmax.float(), tuple(shape), dtype,
+                                    code=torch.tensor(NF4_LEVELS, device=A.device), blocksize=blocksize)
+
+
+@contextlib.contextmanager
+def bitsandbytes_dequant_by_formula():
+    """While open, where bitsandbytes' CPU ``dequantize_4bit`` differs from the NF4 formula on this machine
+    (:func:`foak.patching.bnb_cpu.dequant_problem`: bitsandbytes 0.50.2 on AVX-512 CPUs), bitsandbytes' CPU
+    kernel of that op is the formula (``nf4_dequantize_reference`` with the NF4 levels), so that a comparison with
+    PEFT + bitsandbytes' ``Linear4bit`` (forward and backward, which dequantize through it) tests NF4 math and not
+    that defect. Elsewhere bitsandbytes is left alone. Yields the problem (None when left alone). The checks'
+    cached answers are forgotten on entry and exit (inside, bitsandbytes' CPU dequantization is right)."""
+    from foak.patching import bnb_cpu
+
+    problem = bnb_cpu.dequant_problem()
+    if problem is None:
+        yield None
+        return
+    library = torch.library.Library("bitsandbytes", "IMPL")
+    library.impl("dequantize_4bit", _formula_dequantize_4bit, "CPU")
+    bnb_cpu.forget()
+    try:
+        yield problem
+    finally:
+        library._destroy()  # bitsandbytes' own CPU kernel is the op's again
+        bnb_cpu.forget()

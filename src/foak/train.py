@@ -714,6 +714,10 @@ def train(argv: list[str]) -> dict:
     report = None
     if config is None:
         log.info("--acceleration_config none: training without foak's kernels (the baseline)")
+        if foak_args.peft == "qlora-nf4":
+            from foak.patching.bnb_cpu import check_model
+
+            check_model(model)  # warns if bitsandbytes' CPU dequantization is wrong here for the model's layers
     else:
         if config == "default":
             from foak.patching import default_config

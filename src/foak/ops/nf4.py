@@ -40,6 +40,13 @@ from foak.backend import use_triton
 from foak.ops._checks import check_not_sharded
 from foak.ops._custom_op import custom_op
 
+# The 16 NF4 levels (fp32), index = nibble: the ``code`` of every NF4 QuantState. They define the format, so
+# tests and foak.patching.bnb_cpu decode weights with them instead of trusting a library's dequantization.
+NF4_LEVELS = (
+    -1.0, -0.6961928009986877, -0.5250730514526367, -0.39491748809814453, -0.28444138169288635,
+    -0.18477343022823334, -0.09105003625154495, 0.0, 0.07958029955625534, 0.16093020141124725,
+    0.24611230194568634, 0.33791524171829224, 0.44070982933044434, 0.5626170039176941, 0.7229568362236023, 1.0,
+)
 OUTPUT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 BLOCKSIZES = (32, 64, 128, 256, 512, 1024, 2048, 4096)  # bitsandbytes' 4-bit block sizes
 # Launch knobs: each program dequantizes this many packed bytes (twice as many outputs), a whole number of
@@ -258,7 +265,8 @@ def nf4_dequantize(
     (a one-element fp32 tensor or a float). From a bitsandbytes ``QuantState`` ``qs``: ``absmax=qs.absmax,
     shape=qs.shape, dtype=qs.dtype, code=qs.code, blocksize=qs.blocksize`` and, if ``qs.nested``,
     ``nested_absmax=qs.state2.absmax, nested_code=qs.state2.code, nested_blocksize=qs.state2.blocksize,
-    offset=qs.offset``. The result equals ``bitsandbytes.functional.dequantize_4bit`` bit for bit.
+    offset=qs.offset``. The result is the NF4 formula's, and so ``bitsandbytes.functional.dequantize_4bit``'s bit
+    for bit (on CUDA; on CPU where bitsandbytes' own kernel is right, see foak.patching.bnb_cpu).
     """
     args = _prepare(packed, absmax, shape, dtype, code, blocksize, nested_absmax, nested_code, nested_blocksize,
                     offset)

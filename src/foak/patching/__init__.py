@@ -97,12 +97,28 @@ def patch(model, config=None, *, mixed_precision: str | None = None, **switches)
     fuse_new = use_default or "lora" in enabled
     report = apply(model, [r for r in rules if r.switch in enabled or (fuse_new and r.switch == "lora")],
                    model_type, watch=NewLoraLayers(enabled, fuse_new))
+    _note_bitsandbytes_cpu(model, report)
     available = {r.switch for r in rules}
     for switch in sorted(enabled - available):
         if not any(r.switch == switch for r in report.results):
             report.results.append(RuleResult(f"{model_type}.{switch}", switch, 0, "-",
                                              f"no rule for {model_type} (see foak/models/{model_type}.py)"))
     return report
+
+
+def _note_bitsandbytes_cpu(model, report: PatchReport) -> None:
+    """NF4 layers on the CPU that bitsandbytes' own dequantization gets wrong here (foak.patching.bnb_cpu, which
+    also warns): said in the fused_lora row, or a row of its own when fused_lora is off."""
+    from foak.patching.bnb_cpu import check_model
+
+    note = check_model(model, stacklevel=4)  # (the warning points at foak.patch's caller)
+    if note is None or any(note in r.notes for r in report.results):  # (patching twice returns the same report)
+        return
+    row = next((r for r in report.results if r.rule_id.endswith(".fused_lora")), None)
+    if row is None:
+        report.results.append(RuleResult(f"{report.model_type}.bitsandbytes_cpu", "-", 0, "-", note))
+    else:
+        row.note_runtime("bitsandbytes_cpu", note)  # (kept when the rules are applied again)
 
 
 __all__ = ["PatchReport", "Rule", "RuleResult", "Trigger", "apply", "default_config", "is_patched", "patch", "restore"]

@@ -70,6 +70,10 @@ def _nf4_patch_reason(base):
         return "a Linear4bit without quant_state (not quantized yet: move it to the device first)"
     if state.quant_type != "nf4":
         return f"{state.quant_type} 4-bit quantization (foak dequantizes NF4 only)"
+    if getattr(state, "packing_format_for_cpu", False):
+        # bitsandbytes rewrites the weight in place for its CPU inference kernel (AVX512-BF16 CPUs, the first
+        # eval-mode call without grad): another nibble layout and bf16 scales, not the NF4 storage foak reads
+        return "weight repacked by bitsandbytes for its CPU inference kernel (packing_format_for_cpu)"
     if state.nested and state.state2.blocksize != 256:
         return f"nested absmax blocksize {state.state2.blocksize} (256 expected)"
     return None
