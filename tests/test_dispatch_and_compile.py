@@ -177,8 +177,8 @@ def test_cli_verify_model_checks_every_rule_of_the_model(capsys):
     out = capsys.readouterr().out
     assert "tiny llama" in out and "FAIL" not in out and "not checked" not in out
     rows = [line.split("  ")[0] for line in out.splitlines()[2:11]]
-    assert rows == ["fused_linear_loss", "lora", "loss", "packed_attention", "rms_norm", "rope", "swiglu",
-                    "all: fused_linear_loss, packed_attention, rms_norm, rope, swiglu",
+    assert rows == ["fused_linear_loss", "loss", "rms_norm", "rope", "swiglu", "packed_attention",
+                    "all: fused_linear_loss, packed_attention, rms_norm, rope, swiglu", "lora",
                     "all: lora, fused_linear_loss, packed_attention, rms_norm, rope, swiglu"], out
     assert "lora 14/14; packed_attention 2/2" in out  # the fused paths ran, none fell back
     assert "no rule for this architecture: fast_moe" in out

@@ -44,6 +44,9 @@ def test_bf16_verify_fails_when_the_norm_weight_gradients_are_zero(monkeypatch, 
 
 def test_verify_checks_fast_moe_and_counts_its_calls():
     assert "moe" in switches_to_check(tiny_model("mixtral"))[0]  # part of the default run
+    assert switches_to_check(tiny_model("mixtral"), ["fast_moe"])[0] == ["moe"]  # the config key names it too
+    with pytest.raises(ValueError, match=r"\['moe'\] not available for llama"):
+        switches_to_check(tiny_model("llama"), ["moe"])
     report = verify_model(tiny_model("mixtral"), ["moe"])
     (row,) = report.rows
     assert (row.name, row.model_kind, row.batch_kind, row.modules) == ("moe", "model", "padded", 2)

@@ -190,7 +190,8 @@ def build_parser() -> argparse.ArgumentParser:
     verify.add_argument("--arch", default="llama", help="architecture of the tiny default model")
     verify.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     verify.add_argument("--rules", nargs="+", help="rule switches to check, e.g. rms_norm moe lora packed_attention "
-                                                   "(default: every one foak has for the model)")
+                                                   "(or their config keys: fast_moe ...; default: every one foak "
+                                                   "has for the model)")
     verify.add_argument("--device", default=None, help="cuda or cpu (default: cuda if available)")
     verify.set_defaults(func=_cmd_verify)
     sub.add_parser("train", help="fine-tune a causal LM (foak train --help lists the arguments)", add_help=False)

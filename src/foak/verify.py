@@ -91,6 +91,7 @@ class VerifyRow:
     grad_bound: float
     worst_param: str
     problems: list[str] = field(default_factory=list)
+    notes: str = ""  # the patch report's patch-time notes of these rules (modules they left alone, and why)
 
     @property
     def calls_text(self) -> str:
@@ -251,13 +252,15 @@ def _compare(got, ref, hf, dtype) -> tuple[float, float, float, float, str]:
 
 def switches_to_check(model, switches: list[str] | None = None) -> tuple[list[str], dict[str, str], list[str]]:
     """(the rule switches verify_model will try, {switch: why it is not checked}, the config keys foak has no
-    rule for on this architecture). ``switches`` None: every switch the architecture has."""
+    rule for on this architecture). ``switches``: rule switches (``moe``) or config keys (``fast_moe``); None:
+    every switch the architecture has."""
     from foak.models import model_type_of, rules_for
 
     model_type = model_type_of(model)
     available = sorted({r.switch for r in rules_for(model)})
     if switches is None:
         switches = list(available)
+    switches = [SWITCH_TO_RULE.get(s, s) for s in switches]  # config keys (fast_moe) name their rule (moe)
     unknown = sorted(set(switches) - set(available))
     if unknown:
         raise ValueError(f"foak verify: {unknown} not available for {model_type} (available: {available})")
@@ -295,67 +298,67 @@ def verify_model(model, switches: list[str] | None = None) -> VerifyReport:
     if low and dtype not in LOW_PRECISION:
         raise ValueError(f"foak verify: weights in {dtype}; foak verify takes float32, bfloat16 or float16")
     base = copy.deepcopy(model).eval()  # dropout off: both sides see the same function
-    models = {"model": base}
-    if peft_input:
-        models["LoRA"] = base
-    elif "lora" in switches:
-        try:
-            models["LoRA"] = lora_model(base).eval()
-        except ValueError as e:  # e.g. no linear projection PEFT can wrap
-            skipped["lora"] = f"no LoRA model could be built: {e}"
-            switches.remove("lora")
+    base_kind = "LoRA" if peft_input else "model"
     batches = {"padded": fixed_batch(model.config.vocab_size, device=device),
                "packed": packed_batch(model.config.vocab_size, device=device)}
-    references: dict[tuple[str, str], tuple] = {}
+    cache: dict = {}  # one reference at a time (the rows that share one are consecutive): memory of a real model
 
-    def reference(model_kind, batch_kind):
+    def reference(unpatched_model, model_kind, batch_kind):
         """(the run it is compared with, the unpatched low-precision run or None)."""
         key = (model_kind, batch_kind)
-        if key not in references:
-            unpatched = _run(models[model_kind], batches[batch_kind])
+        if cache.get("key") != key:
+            cache.clear()
+            unpatched = _run(unpatched_model, batches[batch_kind])
             if low:
-                fp32 = copy.deepcopy(models[model_kind]).float()
-                references[key] = (_run(fp32, batches[batch_kind]), unpatched)
+                fp32 = copy.deepcopy(unpatched_model).float()
+                cache["value"] = (_run(fp32, batches[batch_kind]), unpatched)
                 del fp32
             else:
-                references[key] = (unpatched, None)
-        return references[key]
+                cache["value"] = (unpatched, None)
+            cache["key"] = key
+        return cache["value"]
 
-    # the rules alone, then together: the full fine-tuning rules as foak.patch(model) picks them (one loss),
-    # on the padded batch; with lora on the LoRA model and, when packed_attention is among them, the packed one
-    singles = [([s], "LoRA" if s == "lora" else "model", "packed" if s == "packed_attention" else "padded")
-               for s in switches]
     rows: list[VerifyRow] = []
-    for combo, model_kind, batch_kind in singles:
-        row = _check(combo, combo[0], models[model_kind], model_kind, batch_kind, batches, reference, dtype,
-                     patch, skipped)
+
+    def check(combo, unpatched_model, model_kind, batch_kind):
+        name = combo[0] if len(combo) == 1 else "all: " + ", ".join(combo)
+        row = _check(combo, name, unpatched_model, model_kind, batch_kind, batches, reference, dtype, patch,
+                     skipped)
         if row is not None:
             rows.append(row)
-    if not rows:
-        raise ValueError("foak verify: nothing could be checked: " + "; ".join(
-            f"{s} ({SWITCH_KEYS[s]}): {why}" for s, why in skipped.items() if s in switches))
-    checked = [r.switches[0] for r in rows]
-    together = [s for s in checked if s != "lora"]
+        return row
+
+    # each rule alone: the full fine-tuning ones on the padded batch, packed attention on the packed one
+    for s in switches:
+        if s not in ("lora", "packed_attention"):
+            check([s], base, base_kind, "padded")
+    if "packed_attention" in switches:
+        check(["packed_attention"], base, base_kind, "packed")
+    # together, as foak.patch(model) picks them (one loss)
+    together = [s for s in switches if s != "lora" and s not in skipped]
     if "loss" in together and "fused_linear_loss" in together:  # they exclude each other: foak.patch's pick
         default = default_config(base).enabled_rules()
         together.remove("loss" if "fused_linear_loss" in default else "fused_linear_loss")
-    combos = []
-    if "lora" in checked and together:
-        combos.append((together, "model", "padded"))
-        combos.append((["lora", *together], "LoRA", "packed" if "packed_attention" in together else "padded"))
-    elif len(together) > 1:
-        combos.append((together, "model", "padded"))
-        if "packed_attention" in together:
-            combos.append((together, "model", "packed"))
-    for combo, model_kind, batch_kind in combos:
-        if len(combo) == 1 and ([combo[0]], model_kind, batch_kind) in singles:
-            continue
-        row = _check(combo, "all: " + ", ".join(combo), models[model_kind], model_kind, batch_kind, batches,
-                     reference, dtype, patch, skipped)
-        if row is not None:
-            rows.append(row)
-    del models, references
+    if len(together) > 1:
+        check(together, base, base_kind, "padded")
+    lora_together = None
+    if "lora" in switches:  # fused_lora alone, then with the others (on the packed batch if packed attention is)
+        try:
+            lora = base if peft_input else lora_model(base).eval()
+        except ValueError as e:  # e.g. no linear projection PEFT can wrap
+            skipped["lora"] = f"no LoRA model could be built: {e}"
+        else:
+            if check(["lora"], lora, "LoRA", "padded") is not None and together:
+                batch_kind = "packed" if "packed_attention" in together else "padded"
+                lora_together = check(["lora", *together], lora, "LoRA", batch_kind)
+            del lora
+    if lora_together is None and len(together) > 1 and "packed_attention" in together:
+        check(together, base, base_kind, "packed")
+    del base, cache
     gc.collect()
+    if not rows:
+        raise ValueError("foak verify: nothing could be checked: " + "; ".join(
+            f"{s} ({SWITCH_KEYS[s]}): {why}" for s, why in skipped.items() if s in switches))
     return VerifyReport(dtype, rows, skipped, unavailable)
 
 
@@ -369,7 +372,7 @@ def _check(combo, name, model, model_kind, batch_kind, batches, reference, dtype
         notes = "; ".join(r.notes for r in report.results if r.switch == combo[0] and r.notes)
         skipped[combo[0]] = f"patched no module of the model ({notes or 'no reason given'})"
         return None
-    ref, hf = reference(model_kind, batch_kind)
+    ref, hf = reference(model, model_kind, batch_kind)
     got = _run(patched, batches[batch_kind])
     loss_error, loss_bound, grad_error, grad_bound, worst = _compare(got, ref, hf, dtype)
     # a rule that patched modules alone but none together with the others
@@ -384,10 +387,11 @@ def _check(combo, name, model, model_kind, batch_kind, batches, reference, dtype
         if fused == 0:
             why = ", ".join(f"{w} ({n})" for w, n in sorted(other.items())) or "it was never called"
             problems.append(f"{s}: the fused path never ran ({why})")
+    notes = "; ".join(f"{r.rule_id}: {r.note}" for r in report.results if r.switch in combo and r.note)
     del patched, got
     gc.collect()
     return VerifyRow(name, list(combo), model_kind, batch_kind, sum(modules.values()), calls,
-                     loss_error, loss_bound, grad_error, grad_bound, worst, problems)
+                     loss_error, loss_bound, grad_error, grad_bound, worst, problems, notes)
 
 
 def gptq_quantization(path_or_config) -> dict | None:
@@ -441,6 +445,9 @@ def format_report(report: VerifyReport) -> str:
     for r in report.rows:
         for p in r.problems:
             lines.append(f"FAIL {r.name} ({r.model_kind}, {r.batch_kind}): {p}")
+    for r in report.rows:  # what the patch report said, once per rule (its row alone)
+        if len(r.switches) == 1 and r.notes:
+            lines.append(f"note: {r.notes}")
     if report.dtype == torch.float32:
         lines.append("errors: relative, of the loss and of each parameter's gradient vs the unpatched model's; "
                      "grad err is the worst parameter's")
