@@ -72,13 +72,15 @@ def test_gptq_checkpoint_without_lora_is_an_error(gptq_dir, tmp_path):
 
 
 def test_verify_on_a_gptq_checkpoint_compares_the_trainable_gradients(gptq_dir, capsys):
-    # the rules that meet the GPTQ layers (the MLP over GPTQ projections, the fused loss behind them); every
-    # GPTQ forward and backward dequantizes in the interpreter, so the default (all rules) is left to the CLI
-    assert main(["verify", "--model", str(gptq_dir), "--rules", "swiglu", "fused_linear_loss"]) == 0
+    # the rules that meet the GPTQ layers (the MLP over GPTQ projections, LoRA adapters over them); every GPTQ
+    # forward and backward dequantizes in the interpreter, so the default (all rules) is left to the CLI
+    assert main(["verify", "--model", str(gptq_dir), "--rules", "swiglu", "lora"]) == 0
     out = capsys.readouterr().out
     assert "GPTQ 4-bit checkpoint, group_size 32, loaded by foak.quant.load_gptq" in out
     # 14 frozen GPTQ layers; compared: embeddings, 2 x 2 layer norms, final norm, lm_head
     assert "its 14 GPTQLinear layers hold frozen 4-bit weights" in out and "the 7 trainable parameters" in out
-    assert "verify: 3 of 3 rule checks within tolerance" in out, out
-    for row in ("swiglu ", "fused_linear_loss ", "all: swiglu, fused_linear_loss "):
+    assert "verify: PASS: 3 of 3 checks passed; 5 rules not checked: " in out, out
+    for row in ("swiglu ", "lora ", "all: lora, swiglu "):
         assert f"\n{row}" in out, row
+    # fused_lora ran on the 14 GPTQLoraLinear layers, alone and with the other rules
+    assert out.count("lora 14/14") == 2, out

@@ -156,23 +156,16 @@ def _verify_model(args, device, backend) -> int:
 
         model = tiny_model(args.arch).to(device=device, dtype=dtype)
         source = f"tiny {args.arch} (2 layers, hidden 64, random weights)"
-    from foak.verify import compared_note, format_rows, verify_model
+    from foak.verify import compared_note, format_report, verify_model
 
-    print(f"foak verify: {source} on {device} ({args.dtype}, backend: {backend}); unpatched vs patched, "
-          "loss and every parameter gradient after one forward+backward")
+    print(f"foak verify: {source} on {device} ({args.dtype}, backend: {backend}); unpatched vs patched copies, "
+          "one forward+backward, the loss and every parameter's gradient; each rule alone, then together")
     note = compared_note(model)
     if note:
         print(note)
-    rows = verify_model(model, args.rules)
-    print(format_rows(rows))
-    if args.dtype == "float32":
-        print("* vs the unpatched model")
-    else:
-        print(f"* the gradient error foak adds beyond the unpatched {args.dtype} model's own (all gradients as "
-              "one vector, both against an fp32 copy)")
-    failed = [r.name for r in rows if not r.passed]
-    print(f"verify: {len(rows) - len(failed)} of {len(rows)} rule checks within tolerance")
-    return 1 if failed else 0
+    report = verify_model(model, args.rules)
+    print(format_report(report))
+    return 0 if report.passed else 1
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -186,15 +179,19 @@ def build_parser() -> argparse.ArgumentParser:
     verify = sub.add_parser(
         "verify", help="check numerics against the torch references",
         description="Patched vs unpatched model (or, with --ops, every op vs its torch reference), forward and "
-                    "backward. Needs a CUDA GPU or TRITON_INTERPRET=1 (the kernels in Triton's CPU interpreter); "
-                    "without either it is an error, since only the references would be compared. Exit code 0: "
-                    "every check passed, 1: a check failed, 2: a usage error (nothing was compared).")
+                    "backward, the loss and each parameter's gradient: every rule of the model alone and "
+                    "together (fused_lora on a LoRA copy, packed attention on a packed batch); rules it could "
+                    "not check are named. Needs a CUDA GPU or TRITON_INTERPRET=1 (the kernels in Triton's CPU "
+                    "interpreter); without either it is an error, since only the references would be compared. "
+                    "Exit code 0: every check passed, 1: a check failed, 2: a usage error (nothing was compared).")
     verify.add_argument("--ops", action="store_true", help="run every kernel against its reference")
     verify.add_argument("--model", help="local directory or hub id of an HF causal LM, or a GPTQ 4-bit "
                                         "checkpoint directory (default: a tiny random model)")
     verify.add_argument("--arch", default="llama", help="architecture of the tiny default model")
     verify.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
-    verify.add_argument("--rules", nargs="+", help="rule switches to check (default: all of the model's)")
+    verify.add_argument("--rules", nargs="+", help="rule switches to check, e.g. rms_norm moe lora packed_attention "
+                                                   "(or their config keys: fast_moe ...; default: every one foak "
+                                                   "has for the model)")
     verify.add_argument("--device", default=None, help="cuda or cpu (default: cuda if available)")
     verify.set_defaults(func=_cmd_verify)
     sub.add_parser("train", help="fine-tune a causal LM (foak train --help lists the arguments)", add_help=False)
