@@ -146,7 +146,8 @@ def test_sft_trainer_with_a_lora_model_runs_foaks_loss(tmp_path, calls, lora, pa
     _assert_same_step(run, ref)
     if "fused_lora" in kernels:
         row = run[3].result("llama.fused_lora")
-        assert row.modules == 4 and "fused 4 calls" in row.notes and "after foak.patch" in row.notes, row.notes
+        # 4 LoRA layers, each run again by gradient checkpointing's recompute
+        assert row.modules == 4 and "fused 8 calls" in row.notes and "after foak.patch" in row.notes, row.notes
 
 
 def test_sft_trainer_with_label_smoothing_leaves_the_loss_to_the_logits(tmp_path, calls):

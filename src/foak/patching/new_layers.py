@@ -3,9 +3,10 @@
 Users patch first and wrap later: ``foak.patch(model)`` then ``peft.get_peft_model(model, ...)``, TRL's
 ``SFTTrainer(model, peft_config=...)`` (which wraps the patched model itself) or transformers'
 ``model.add_adapter(...)``. The LoRA layers those add did not exist when the rules were applied. The patched
-model's forward therefore counts the PEFT LoRA layers it holds before each eager forward (a walk over its
-modules, only once peft is imported) and, when the count changed, applies its rules again, LoRA rules
-included: the layers are fused from that forward on, and the report (the same object) gains their rows.
+model's decoder stack therefore counts the PEFT LoRA layers the model holds at the start of each eager
+forward (a walk over its modules, only once peft is imported) and, when the count changed, applies the
+LoRA rules to the new layers (foak.patching.rules.extend: forwards already installed stay, the report's rows
+are updated in place): they are fused from that forward on.
 
 Which rules: with foak's defaults (``foak.patch(model)`` without a config, ``foak train``) the fused_lora
 rules join; with a config that does not enable ``fused_lora``, the layers stay PEFT's and the report says so.
@@ -17,7 +18,7 @@ from __future__ import annotations
 
 import sys
 
-from foak.patching.rules import RuleResult, apply, restore
+from foak.patching.rules import RuleResult, extend
 
 _SEEN = "_foak_lora_layers_seen"
 LORA_SWITCH = "lora"
@@ -59,10 +60,9 @@ class NewLoraLayers:
                                       "this config, so PEFT's forward runs them (enable fused_lora in the peft "
                                       "stanza, or patch with foak's defaults)")
             return
+        model.__dict__[_SEEN] = count
         switches = self.switches | {LORA_SWITCH}
-        rules = [r for r in rules_for(model) if r.switch in switches]
-        restore(model)
-        apply(model, rules, state.model_type, _report=report, watch=NewLoraLayers(switches, True))
+        extend(model, [r for r in rules_for(model) if r.switch in switches])
         for row in report.results:
             if row.switch == LORA_SWITCH and row.modules:
                 row.note_runtime("added", f"patched on the first forward after {count} PEFT LoRA layers appeared "

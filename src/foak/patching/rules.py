@@ -192,12 +192,15 @@ def forward_link(module: nn.Module, rule_id: str) -> bool:
     return link is not None and link[1]
 
 
-def install_forward(module: nn.Module, rule_id: str, function: Callable) -> Callable:
+def install_forward(module: nn.Module, rule_id: str, function: Callable, below: tuple[str, ...] = ()) -> Callable:
     """Install ``function(self, *args, **kwargs)`` as ``module.forward``, bound to the module
     (types.MethodType): a deep copy of the module (PEFT's ``modules_to_save``, an EMA copy) gets it bound to
     the copy, computing with the copy's parameters. What ``module.forward`` was before is kept on the module
     (:func:`next_forward`); the bound forward declares its signature (HF Trainer reads it). Returns the bound
-    forward. ``function`` must not hold the module itself (a copy would compute with the original)."""
+    forward. ``function`` must not hold the module itself (a copy would compute with the original).
+    ``below``: ids of foak rules whose forwards on this module must stay outside this one (a rule added to a
+    patched model later, e.g. the LoRA q/k/v block inside the RoPE rule's cast): it is put under the innermost
+    of them."""
     links = module.__dict__.setdefault(_LINKS, {})
     link = links.get(rule_id)
     if link is not None:
@@ -206,8 +209,9 @@ def install_forward(module: nn.Module, rule_id: str, function: Callable) -> Call
         # restored while another library's forward wrapped foak's, now patched again: active again in place
         link[1], link[3] = True, function
         return module.forward
-    previous = module.__dict__.get("forward")
-    signature = _signature_with_self(module.forward)
+    outer = [links[r] for r in links if r in below]  # (in the order installed: the first is the innermost)
+    previous = outer[0][0] if outer else module.__dict__.get("forward")
+    signature = _signature_with_self(previous if previous is not None else type(module).forward.__get__(module))
 
     def forward(self, *args, **kwargs):
         link = self.__dict__[_LINKS][rule_id]
@@ -218,9 +222,18 @@ def install_forward(module: nn.Module, rule_id: str, function: Callable) -> Call
     if signature is not None:
         forward.__signature__ = signature
     forward.__foak_rule__ = rule_id
-    links[rule_id] = [previous, True, forward, function]
     bound = types.MethodType(forward, module)
-    module.__dict__["forward"] = bound
+    if outer:
+        outer[0][0] = bound
+        links[rule_id] = [previous, True, forward, function]
+        # keep the dict in chain order (innermost first), which uninstall_forwards walks backwards
+        order = list(links)
+        order.remove(rule_id)
+        order.insert(order.index(next(r for r in order if links[r] is outer[0])), rule_id)
+        module.__dict__[_LINKS] = {r: links[r] for r in order}
+    else:
+        links[rule_id] = [previous, True, forward, function]
+        module.__dict__["forward"] = bound
     return bound
 
 
@@ -254,10 +267,10 @@ class PatchState:
         self.modules: list[nn.Module] = []  # modules given a forward (restore also finds copies of them)
         self.undo: list[Callable[[], None]] = []
 
-    def set_forward(self, module: nn.Module, forward: Callable) -> None:
+    def set_forward(self, module: nn.Module, forward: Callable, below: tuple[str, ...] = ()) -> None:
         """Install ``forward(self, *args, **kwargs)`` as the module's forward for the rule being applied (see
         :func:`install_forward`)."""
-        install_forward(module, self.result.rule_id, forward)
+        install_forward(module, self.result.rule_id, forward, below)
         self.modules.append(module)
 
     def on_restore(self, fn: Callable[[], None]) -> None:
@@ -272,9 +285,11 @@ def apply(model: nn.Module, rules: list[Rule], model_type: str = "", _report: Pa
     """Patch ``model`` in place with ``rules``; applying the same rules again is a no-op that returns the
     first report, applying different ones is an error (restore first).
 
-    ``watch``: an object with ``start(model)``, ``changed(model) -> bool`` and ``update(model, state)``:
-    before each eager forward of ``model``, ``update`` runs when ``changed`` says the model gained modules the
-    rules should see (e.g. PEFT LoRA layers added after patching; foak.patching.new_layers)."""
+    ``watch``: an object with ``start(model)``, ``changed(model) -> bool`` and ``update(model, state)``: at the
+    start of each eager forward of the model's decoder stack (``model.base_model``: every way of running the
+    model calls it, TRL's fused LM head too), ``update`` runs when ``changed`` says the model gained modules
+    the rules should see (PEFT LoRA layers added after patching; foak.patching.new_layers), typically
+    calling :func:`extend`."""
     state = model.__dict__.get(_STATE_ATTR)
     if state is not None:
         if [r.id for r in state.rules] != [r.id for r in rules]:
@@ -289,32 +304,83 @@ def apply(model: nn.Module, rules: list[Rule], model_type: str = "", _report: Pa
     report.results = []
     report._model = weakref.ref(model)
     state = PatchState(report)
-    named = list(model.named_modules())
+    state.rules, state.model_type, state.watch = [], model_type, watch
     try:
-        for rule in rules:
-            reason = rule.skip_reason(model) if rule.skip_reason else None
-            if reason:
-                report.results.append(RuleResult(rule.id, rule.switch, 0, "-", f"not applied: {reason}"))
-                continue
-            result = state.result = RuleResult(rule.id, rule.switch, 0, report.backend_text)
+        _apply_rules(model, state, rules, previous, {})
+    except BaseException:
+        _undo(state)
+        raise
+    if watch is not None:
+        watch.start(model)
+        stack = _decoder_stack(model)
+        install_forward(stack, _WATCH_ID, _watching_forward)
+        stack.__dict__[_WATCHED_BY] = weakref.ref(model)
+        state.modules.append(stack)
+        state.on_restore(lambda: stack.__dict__.pop(_WATCHED_BY, None))
+    object.__setattr__(model, _STATE_ATTR, state)  # a plain attribute: not a submodule, not in state_dict
+    # a deepcopy (a TRL reference model, an EMA copy) gets its own patch: its own report, its own share of the
+    # module globals, restorable on its own
+    object.__setattr__(model, "__deepcopy__", lambda memo: _deepcopy_patched(model, memo))
+    # pickling (torch.save of the whole model) stores an unpatched copy and the rules' ids: it loads patched
+    object.__setattr__(model, "__reduce_ex__", lambda protocol: _reduce_patched(model))
+    return report
+
+
+def extend(model: nn.Module, rules: list[Rule]) -> PatchReport:
+    """Apply ``rules`` (the full ordered list the model should now be patched with: its current rules and new
+    ones) to the modules of an already patched ``model`` that do not hold their forward yet, e.g. LoRA layers
+    added after patching. Forwards already installed stay as they are (so a forward in progress is not
+    disturbed), rows of rules already applied are updated in place, and a new rule's forward goes inside the
+    forwards of rules that come after it in ``rules``."""
+    state = model.__dict__[_STATE_ATTR]
+    report = state.report
+    rows = {r.rule_id: r for r in report.results}
+    applied = {r.id for r in state.rules}
+    keep = {rule_id: row for rule_id, row in rows.items() if rule_id in applied and row.modules}
+    previous = {rule_id: row for rule_id, row in rows.items() if rule_id not in keep}
+    others = [row for row in report.results if row.rule_id not in {r.id for r in rules}]
+    report.results = []
+    _apply_rules(model, state, rules, previous, keep)
+    report.results.extend(others)
+    return report
+
+
+def _apply_rules(model, state: PatchState, rules: list[Rule], previous: dict, keep: dict) -> None:
+    """apply / extend: patch the modules ``rules`` match that do not hold the rule's forward yet. ``keep``: rows
+    of rules already applied, updated in place (their forwards report to them); ``previous``: earlier rows whose
+    call-time notes carry over to the new ones."""
+    report, named = state.report, list(model.named_modules())
+    ids = [r.id for r in rules]
+    for index, rule in enumerate(rules):
+        reason = rule.skip_reason(model) if rule.skip_reason else None
+        if reason:
+            report.results.append(RuleResult(rule.id, rule.switch, 0, "-", f"not applied: {reason}"))
+            continue
+        result = keep.get(rule.id)
+        if result is None:
+            result = RuleResult(rule.id, rule.switch, 0, report.backend_text)
             if rule.id in previous:
                 result.runtime.update(previous[rule.id].runtime)
-            skipped: dict[tuple[str, str], int] = {}
-            for name, module in named:
-                if rule.trigger.matches(name, module, model):
-                    out = rule.patch(module, model, state)
-                    if isinstance(out, Skip):
-                        key = (type(module).__name__, out.reason)
-                        skipped[key] = skipped.get(key, 0) + 1
-                        continue
-                    if not callable(out):
-                        raise TypeError(f"rule {rule.id}: patch must return the new forward or Skip, got "
-                                        f"{type(out).__name__}")
-                    state.set_forward(module, out)
-                    result.modules += 1
-            state.result = None
+        state.result = result
+        below = tuple(ids[index + 1:])
+        skipped: dict[tuple[str, str], int] = {}
+        for name, module in named:
+            if forward_link(module, rule.id) or not rule.trigger.matches(name, module, model):
+                continue
+            out = rule.patch(module, model, state)
+            if isinstance(out, Skip):
+                key = (type(module).__name__, out.reason)
+                skipped[key] = skipped.get(key, 0) + 1
+                continue
+            if not callable(out):
+                raise TypeError(f"rule {rule.id}: patch must return the new forward or Skip, got "
+                                f"{type(out).__name__}")
+            state.set_forward(module, out, below)
+            result.modules += 1
+        state.result = None
+        if rule.id not in keep:
             notes = [f"{n} {cls} module{'s' if n > 1 else ''} not patched: {why}"
-                      for (cls, why), n in sorted(skipped.items())]
+                     for (cls, why), n in sorted(skipped.items())]
             if not result.modules:
                 result._backend = "-"
                 if not skipped:
@@ -323,22 +389,22 @@ def apply(model: nn.Module, rules: list[Rule], model_type: str = "", _report: Pa
             extra = rule.describe(model) if rule.describe else None
             if extra:
                 result.note = f"{result.note}; {extra}" if result.note else extra
-            report.results.append(result)
-    except BaseException:
-        _undo(state)
-        raise
-    state.rules, state.model_type, state.watch = list(rules), model_type, watch
-    if watch is not None:
-        watch.start(model)
-        install_forward(model, _WATCH_ID, _watching_forward)
-        state.modules.append(model)
-    object.__setattr__(model, _STATE_ATTR, state)  # a plain attribute: not a submodule, not in state_dict
-    # a deepcopy (a TRL reference model, an EMA copy) gets its own patch: its own report, its own share of the
-    # module globals, restorable on its own
-    object.__setattr__(model, "__deepcopy__", lambda memo: _deepcopy_patched(model, memo))
-    # pickling (torch.save of the whole model) stores an unpatched copy and the rules' ids: it loads patched
-    object.__setattr__(model, "__reduce_ex__", lambda protocol: _reduce_patched(model))
-    return report
+        report.results.append(result)
+    state.rules = list(rules)
+
+
+_WATCHED_BY = "_foak_watched_by"  # on the decoder stack: a weak reference to the patched model
+
+
+def _decoder_stack(model: nn.Module) -> nn.Module:
+    """The innermost ``base_model`` of ``model`` (a causal LM's decoder stack; through PEFT's wrappers too)."""
+    module = model
+    for _ in range(8):
+        inner = getattr(module, "base_model", module)
+        if not isinstance(inner, nn.Module) or inner is module:
+            break
+        module = inner
+    return module
 
 
 def restore(model: nn.Module) -> nn.Module:
@@ -362,10 +428,11 @@ _WATCH_ID = "foak.watch"
 
 def _watching_forward(self, *args, **kwargs):
     if not torch.compiler.is_compiling():  # (tracing must not re-patch: see foak.patching.new_layers)
-        state = self.__dict__.get(_STATE_ATTR)
-        if state is not None and state.watch is not None and state.watch.changed(self):
-            state.watch.update(self, state)
-            return self.forward(*args, **kwargs)  # the forward of the model as patched now
+        owner = self.__dict__.get(_WATCHED_BY)
+        model = owner() if owner is not None else None
+        state = model.__dict__.get(_STATE_ATTR) if model is not None else None
+        if state is not None and state.watch is not None and state.watch.changed(model):
+            state.watch.update(model, state)
     return next_forward(self, _WATCH_ID)(*args, **kwargs)
 
 
@@ -409,7 +476,9 @@ def _unpickle_patched(model: nn.Module, rule_ids: list[str], model_type: str, wa
 
 
 def is_patched(model: nn.Module) -> bool:
-    return _STATE_ATTR in model.__dict__
+    """Whether ``model``, or a module inside it (the base model of a PEFT wrapper built after patching), is
+    patched by foak."""
+    return any(_STATE_ATTR in m.__dict__ for m in model.modules())
 
 
 def _undo(state: PatchState) -> None:
