@@ -123,7 +123,8 @@ def glu_mlp_rule(arch: str, mlp_class: type) -> Rule:
 
         def forward(x):
             down = module.down_proj
-            x = cast_for_projections(x)  # under autocast over fp32 weights: one cast for gate and up
+            # under autocast over fp32 weights: one cast for gate and up, unless they are quantized (autocast.py)
+            x = cast_for_projections(x, (module.gate_proj, module.up_proj))
             if lora_mlp is not None:  # PEFT LoRA projections that fused_lora patched: fused LoRA blocks
                 out = lora_mlp(module.gate_proj, module.up_proj, down, x, activation)
                 if out is not None:
@@ -204,6 +205,9 @@ def _uninstall_rope(module_name: str, attr: str) -> None:
             del _rope_installs[key]
 
 
+_QKV = ("q_proj", "k_proj", "v_proj")
+
+
 def rope_rule(arch: str, attention_class: type, function_name: str = "apply_rotary_pos_emb") -> Rule:
     module_name = attention_class.__module__
 
@@ -220,8 +224,9 @@ def rope_rule(arch: str, attention_class: type, function_name: str = "apply_rota
 
         @functools.wraps(original_forward)  # keeps the signature (HF Trainer inspects it)
         def forward(*args, **kwargs):
-            # under autocast over fp32 weights, q/k/v share one cast of the input (foak.patching.autocast)
-            args, kwargs = cast_first_argument(args, kwargs)
+            # under autocast over fp32 weights, q/k/v share one cast of the input, unless they are quantized
+            # (foak.patching.autocast)
+            args, kwargs = cast_first_argument(args, kwargs, [getattr(module, p, None) for p in _QKV])
             previous = _ROPE_ACTIVE.on
             _ROPE_ACTIVE.on = True
             try:
