@@ -324,9 +324,14 @@ def _split_backward(x_c, dout, weight, lora_A, lora_B, h, seed, scaling, p, need
         g = torch.mm(dy_s, lora_B)
         xa = None
         if need_x:
-            dx_a, xa = _adapter_input_grad(None, g, lora_A, x_c, seed, p, dout.dtype, need_A)
+            # the adapter's part in the compute dtype, masked there (its forward dropped out x cast to it)
+            dx_a, xa = _adapter_input_grad(None, g, lora_A, x_c, seed, p, compute, need_A)
             dx_b = torch.mm(dy, _dense(weight, compute))
-            dx = dx_a.add_(dx_b) if dx is None else dx.add_(dx_a).add_(dx_b)
+            if dx is None:
+                dx = dx_a if dx_a.dtype == dout.dtype else dx_a.to(dout.dtype)
+                dx.add_(dx_b)
+            else:
+                dx.add_(dx_a).add_(dx_b)
         if need_A:
             if xa is None:
                 xa = (_dropout_op(x_c, seed, p, lora_A.dtype) if p > 0

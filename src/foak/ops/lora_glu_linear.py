@@ -72,7 +72,7 @@ class _LoRAGLULinearFunction(torch.autograd.Function):
         # result_dtype (a quantized base under autocast): g, u and h are in it, cast for the GEMMs as
         # bitsandbytes casts its input, and the output is in it too (foak.ops.lora._split_output)
         h_c = h2d if result_dtype is None or h2d.dtype == weight.dtype else h2d.to(weight.dtype)
-        xa = _adapter_input(h2d if dropout_p > 0 else h_c, lora_A.dtype, dropout_p, seed)
+        xa = _adapter_input(h_c, lora_A.dtype, dropout_p, seed)
         small = torch.mm(xa, lora_A.t())
         del xa
         if result_dtype is not None:
@@ -104,7 +104,8 @@ class _LoRAGLULinearFunction(torch.autograd.Function):
             dy_s = dy_c if s == 1.0 else dy_c * s
             dB = torch.mm(dy_s.t(), small) if need_B else None
             gd = torch.mm(dy_s, lora_B)
-            dh, _ = _adapter_input_grad(None, gd, lora_A, g2d, seed, p, g.dtype, False)
+            dh, _ = _adapter_input_grad(None, gd, lora_A, g2d, seed, p, weight.dtype, False)
+            dh = dh if dh.dtype == g.dtype else dh.to(g.dtype)  # fresh and contiguous: h is written into it
             dh.add_(torch.mm(dy_c, _dense(weight, weight.dtype)))
         else:
             dy_a = dy if dy.dtype == adapter_dtype else dy.to(adapter_dtype)
@@ -123,8 +124,9 @@ class _LoRAGLULinearFunction(torch.autograd.Function):
         h2d = dh  # now act(g) * u
         dA = None
         if need_A:
-            if p > 0:
-                xa = _dropout_op(h2d, seed, p, adapter_dtype)
+            if p > 0:  # the forward's adapter input again: dropout after the cast to the compute dtype
+                h_c = h2d.to(weight.dtype) if ctx.split and h2d.dtype != weight.dtype else h2d
+                xa = _dropout_op(h_c, seed, p, adapter_dtype)
             else:
                 xa = h2d if h2d.dtype == adapter_dtype else h2d.to(adapter_dtype)
             dA = torch.mm(gd.t(), xa)
