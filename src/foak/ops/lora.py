@@ -23,6 +23,16 @@ with dropout one elementwise kernel applying the regenerated mask) first, then t
 ``dA = s * (dy B)^T dropout(x)`` (the mask regenerated once more), ``dB = s * dy^T h``. Under a dtype
 mismatch (fp32 adapters on a bf16 base outside autocast) the sums are formed as PEFT forms them.
 
+A quantized base under autocast is PEFT's ``lora.bnb.Linear4bit`` over bitsandbytes' ``Linear4bit``, which
+is no autocast op: it casts x to its compute dtype (the autocast dtype) and returns its result in x's
+dtype, and PEFT casts the adapter's output to that dtype and adds it there. So with an fp32 x (the
+fp32 norms of ``prepare_model_for_kbit_training``) the output is fp32: x is cast once inside the op (and
+saved in the compute dtype), the base GEMM's result and ``(h B^T) * s`` are each rounded to the compute
+dtype and then summed in x's dtype; the backward casts dy to the compute dtype, scales it before the
+adapter's GEMMs, and sums the base's and the adapter's input-gradient parts in x's dtype (no
+accumulation in a GEMM's epilogue on this path). These are the operations autograd runs for PEFT's
+layer, so the values are the same.
+
 :func:`lora_linears` is the shared-input form of an attention block (q, k, v projections of one x):
 x goes to one autograd op, is saved once, and each projection keeps its own mask (PEFT draws one per
 projection). Without dropout the down-projections run as one GEMM on the stacked ``[sum r, in]`` A's.
@@ -118,21 +128,29 @@ def _dropout_reference(xa: torch.Tensor, seed: torch.Tensor, p: float) -> torch.
     return torch.where(keep.view(xa.shape), xa * (1.0 / (1.0 - p)), torch.zeros((), dtype=xa.dtype))
 
 
-def lora_linear_reference(x, weight, bias, lora_A, lora_B, scaling, dropout_p=0.0, seed=None):
+def lora_linear_reference(x, weight, bias, lora_A, lora_B, scaling, dropout_p=0.0, seed=None, result_dtype=None):
     """PEFT's lora.Linear forward in plain torch (autocast applies to its F.linear calls as in PEFT);
     the dropout mask is :func:`lora_dropout_mask`'s for ``seed`` (drawn if None). A quantized ``weight``
-    is dequantized to x's dtype."""
-    result = torch.nn.functional.linear(x, _dense(weight, x.dtype), bias)
+    is dequantized to x's dtype. With ``result_dtype`` (a quantized base under autocast; x arrives in it)
+    the sums are PEFT's ``lora.bnb.Linear4bit``'s: x is cast to the weight's compute dtype for the base
+    GEMM, whose result is cast back to ``result_dtype`` (as bitsandbytes' ``Linear4bit`` returns it), and
+    the adapter's output ``lora_B(lora_A(.)) * scaling`` (compute dtype) is cast to it and added there."""
+    if result_dtype is not None:
+        result = torch.nn.functional.linear(x.to(weight.dtype), _dense(weight, weight.dtype), bias).to(result_dtype)
+    else:
+        result = torch.nn.functional.linear(x, _dense(weight, x.dtype), bias)
     xa = x.to(lora_A.dtype)
     if dropout_p > 0:
         xa = _dropout_reference(xa, _seed_tensor("lora_linear_reference", seed, x.device), dropout_p)
     adapter = torch.nn.functional.linear(torch.nn.functional.linear(xa, lora_A), lora_B)
+    if result_dtype is not None:
+        return result + (adapter * scaling).to(result_dtype)
     return (result + adapter * scaling).to(result.dtype)
 
 
-def lora_linears_reference(x, projections):
+def lora_linears_reference(x, projections, result_dtype=None):
     """:func:`lora_linear_reference` for each ``(weight, bias, lora_A, lora_B, scaling, dropout_p, seed)``."""
-    return tuple(lora_linear_reference(x, *proj) for proj in projections)
+    return tuple(lora_linear_reference(x, *proj, result_dtype=result_dtype) for proj in projections)
 
 
 # quantized bases ----------------------------------------------------------------------------------
@@ -280,6 +298,48 @@ def _projection_output(x2d, weight, bias, h, lora_B, scaling, out=None):
     return res
 
 
+def _split_output(x_c, weight, bias, h, lora_B, scaling, out):
+    """``out = (x W^T + b) + (h B^T) * scaling`` with each GEMM's result rounded to the compute dtype (x_c's)
+    and the two summed in ``out``'s dtype (x's before the cast): a quantized base under autocast, summed as
+    bitsandbytes' ``Linear4bit`` and PEFT's ``lora.bnb.Linear4bit`` sum it (no accumulation in the GEMM)."""
+    adapter = _scaled(torch.mm(h, lora_B.t()), scaling)
+    if out.dtype == x_c.dtype:
+        _base(x_c, weight, bias, out=out)
+    else:
+        out.copy_(_base(x_c, weight, bias))
+    return out.add_(adapter)
+
+
+def _split_backward(x_c, dout, weight, lora_A, lora_B, h, seed, scaling, p, need_x, need_A, need_B, dx=None):
+    """(dx, dA, dB) of a projection whose output :func:`_split_output` formed, as autograd runs PEFT's: the
+    gradient is cast to the compute dtype, scaled before the adapter's GEMMs (PEFT's ``* scaling`` follows
+    lora_B), and the input gradients of the base and of the adapter (each a compute-dtype GEMM) are summed in
+    dout's dtype, into ``dx`` when given."""
+    compute = weight.dtype
+    dy = dout if dout.dtype == compute else dout.to(compute)
+    dy_s = dy if scaling == 1.0 else dy * scaling
+    dB = torch.mm(dy_s.t(), h) if need_B else None
+    dA = None
+    if need_x or need_A:
+        g = torch.mm(dy_s, lora_B)
+        xa = None
+        if need_x:
+            # the adapter's part in the compute dtype, masked there (its forward dropped out x cast to it)
+            dx_a, xa = _adapter_input_grad(None, g, lora_A, x_c, seed, p, compute, need_A)
+            dx_b = torch.mm(dy, _dense(weight, compute))
+            if dx is None:
+                dx = dx_a if dx_a.dtype == dout.dtype else dx_a.to(dout.dtype)
+                dx.add_(dx_b)
+            else:
+                dx.add_(dx_a).add_(dx_b)
+        if need_A:
+            if xa is None:
+                xa = (_dropout_op(x_c, seed, p, lora_A.dtype) if p > 0
+                      else x_c if x_c.dtype == lora_A.dtype else x_c.to(lora_A.dtype))
+            dA = torch.mm(g.t(), xa)
+    return dx, dA, dB
+
+
 def _base(x2d, weight, bias, out=None):
     w = _dense(weight, x2d.dtype)
     return torch.mm(x2d, w.t(), out=out) if bias is None else torch.addmm(bias, x2d, w.t(), out=out)
@@ -334,24 +394,37 @@ def _add_down_grad(dx, g, lora_A):
         dx.add_(torch.mm(g, lora_A))
 
 
+def _compute_input(x2d, weight, split: bool):
+    """x in the base's compute dtype: cast here (saved once) for a quantized base under autocast."""
+    return x2d.to(weight.dtype) if split and x2d.dtype != weight.dtype else x2d
+
+
 class _LoRALinearFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x2d, weight, bias, lora_A, lora_B, scaling, dropout_p, seed):
-        h = torch.mm(_adapter_input(x2d, lora_A.dtype, dropout_p, seed), lora_A.t())
-        out = _projection_output(x2d, weight, bias, h, lora_B, scaling)
-        saved, ctx.quantized = _saveable([x2d, weight, lora_A, lora_B, h, seed])
+    def forward(ctx, x2d, weight, bias, lora_A, lora_B, scaling, dropout_p, seed, result_dtype):
+        # result_dtype (a quantized base under autocast): x2d is in it and the output too (_split_output)
+        split = result_dtype is not None
+        x_c = _compute_input(x2d, weight, split)
+        h = torch.mm(_adapter_input(x_c, lora_A.dtype, dropout_p, seed), lora_A.t())
+        if split:
+            out = _split_output(x_c, weight, bias, h, lora_B, scaling,
+                                x_c.new_empty((x_c.shape[0], weight.shape[0]), dtype=result_dtype))
+        else:
+            out = _projection_output(x_c, weight, bias, h, lora_B, scaling)
+        saved, ctx.quantized = _saveable([x_c, weight, lora_A, lora_B, h, seed])
         ctx.save_for_backward(*saved)
-        ctx.scaling, ctx.dropout_p = scaling, dropout_p
+        ctx.scaling, ctx.dropout_p, ctx.split = scaling, dropout_p, split
         return out
 
     @staticmethod
     def backward(ctx, dout):
-        x2d, weight, lora_A, lora_B, h, seed = _restore(ctx.saved_tensors, ctx.quantized)
+        x_c, weight, lora_A, lora_B, h, seed = _restore(ctx.saved_tensors, ctx.quantized)
         need_x, need_A, need_B = ctx.needs_input_grad[0], ctx.needs_input_grad[3], ctx.needs_input_grad[4]
+        backward = _split_backward if ctx.split else _projection_backward
         with torch.autocast(dout.device.type, enabled=False):  # a backward run inside an autocast region
-            dx, dA, dB = _projection_backward(x2d, dout, weight, lora_A, lora_B, h, seed, ctx.scaling,
-                                              ctx.dropout_p, need_x, need_A, need_B)
-        return dx, None, None, dA, dB, None, None, None
+            dx, dA, dB = backward(x_c, dout, weight, lora_A, lora_B, h, seed, ctx.scaling, ctx.dropout_p, need_x,
+                                  need_A, need_B)
+        return dx, None, None, dA, dB, None, None, None, None
 
 
 def _projection_backward(x2d, dout, weight, lora_A, lora_B, h, seed, scaling, p, need_x, need_A, need_B,
@@ -384,10 +457,12 @@ class _LoRALinearsFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x2d, meta, *tensors):
-        # meta: (has_bias per projection, scalings, dropout_ps, stacked); tensors: per projection
-        # weight, bias (absent when None), lora_A, lora_B, seed (absent when p == 0)
+        # meta: (has_bias per projection, scalings, dropout_ps, stacked, lead, result_dtype); tensors: per
+        # projection weight, bias (absent when None), lora_A, lora_B, seed (absent when p == 0).
+        # result_dtype (quantized bases under autocast): x2d is in it and the outputs too (_split_output)
         projections = _unflatten(meta, tensors)
-        _, scalings, dropout_ps, stacked, lead = meta
+        _, scalings, dropout_ps, stacked, lead, result_dtype = meta
+        x2d = _compute_input(x2d, projections[0][0], result_dtype is not None)
         outs, hs = [], []
         if stacked:
             # one down-projection GEMM for all adapters (no dropout, one adapter dtype)
@@ -400,8 +475,11 @@ class _LoRALinearsFunction(torch.autograd.Function):
         for (weight, bias, lora_A, lora_B, seed), h, s in zip(projections, hs, scalings):
             # each output is allocated in its final shape, so that it is not a view (a consumer may then
             # reuse its memory for its gradient: foak.ops._inplace)
-            out = x2d.new_empty((*lead, weight.shape[0]))
-            _projection_output(x2d, weight, bias, h, lora_B, s, out=out.view(-1, weight.shape[0]))
+            out = x2d.new_empty((*lead, weight.shape[0]), dtype=result_dtype)
+            if result_dtype is not None:
+                _split_output(x2d, weight, bias, h, lora_B, s, out.view(-1, weight.shape[0]))
+            else:
+                _projection_output(x2d, weight, bias, h, lora_B, s, out=out.view(-1, weight.shape[0]))
             outs.append(out)
         ctx.meta = meta
         saved, ctx.quantized = _saveable(list(tensors))
@@ -415,7 +493,7 @@ class _LoRALinearsFunction(torch.autograd.Function):
 
     @staticmethod
     def _backward(ctx, douts):
-        _, scalings, dropout_ps, stacked, _ = ctx.meta
+        _, scalings, dropout_ps, stacked, _, result_dtype = ctx.meta
         n = len(scalings)
         saved = ctx.saved_tensors
         x2d = saved[0]
@@ -427,7 +505,15 @@ class _LoRALinearsFunction(torch.autograd.Function):
         flags = _needs_per_projection(ctx.meta, ctx.needs_input_grad[2:])
         dx = None  # the adapters' parts first, then every base GEMM accumulates onto them
         grads_A, grads_B = [], []
-        if stacked:
+        if result_dtype is not None:  # quantized bases under autocast: PEFT's sums, per projection
+            hs = torch.split(saved[1], [proj[2].shape[0] for proj in projections], dim=1) if stacked else saved[1:1 + n]
+            for (weight, bias, lora_A, lora_B, seed), dy, h, s, p, (need_A, need_B) in zip(
+                    projections, douts, hs, scalings, dropout_ps, flags):
+                dx, dA, dB = _split_backward(x2d, dy, weight, lora_A, lora_B, h, seed, s, p, need_x, need_A, need_B,
+                                             dx=dx)
+                grads_A.append(dA)
+                grads_B.append(dB)
+        elif stacked:
             h_all = saved[1]
             hs = torch.split(h_all, [proj[2].shape[0] for proj in projections], dim=1)
             gs = []
@@ -454,7 +540,7 @@ class _LoRALinearsFunction(torch.autograd.Function):
                                                   need_B, dx=dx, base=False)
                 grads_A.append(dA)
                 grads_B.append(dB)
-        if need_x:
+        if need_x and result_dtype is None:
             dx = _add_input_grad_base(dx, douts, [proj[0] for proj in projections])
         grads = []
         for (weight, bias, lora_A, lora_B, seed), dA, dB in zip(projections, grads_A, grads_B):
@@ -504,8 +590,10 @@ def _check_number(op, name, value, low, high=None, high_open=False):
 
 def _prepare_projection(op, x, weight, bias, lora_A, lora_B, scaling, dropout_p):
     """Validate one projection and apply autocast's casts (differentiable, outside the autograd
-    Function) as the nn.Linear calls of PEFT would. Returns the tensors in compute dtypes."""
+    Function) as the nn.Linear calls of PEFT would. Returns the tensors in compute dtypes, and the
+    result dtype of a quantized base under autocast (x's, with x itself: the op casts it; else None)."""
     quantized = _is_quantized(weight)
+    result_dtype = None
     if quantized:
         _check_quantized(op, weight)
     for name, t in (("x", x), ("weight", weight), ("lora_A", lora_A), ("lora_B", lora_B)):
@@ -548,22 +636,19 @@ def _prepare_projection(op, x, weight, bias, lora_A, lora_B, scaling, dropout_p)
         if quantized and weight.dtype != dtype:
             raise ValueError(f"{op}: the quantized base computes in {weight.dtype} but autocast runs {dtype}; "
                              "set the quantized layer's compute dtype to the autocast dtype")
-        x, lora_A, lora_B = x.to(dtype), lora_A.to(dtype), lora_B.to(dtype)
-        weight = weight if quantized else weight.to(dtype)
+        lora_A, lora_B = lora_A.to(dtype), lora_B.to(dtype)
         bias = None if bias is None else bias.to(dtype)
+        if quantized:  # no autocast op: x is cast inside, the result is in x's dtype (_split_output)
+            result_dtype = x.dtype
+        else:
+            x, weight = x.to(dtype), weight.to(dtype)
     else:
         for name, t in (("weight", weight), ("bias", bias)):
             if t is not None and t.dtype != x.dtype:
                 what = "compute dtype of the quantized base" if quantized and name == "weight" else f"base {name}"
                 raise ValueError(f"{op}: x is {x.dtype} but the {what} is {t.dtype}; outside autocast "
                                  "the base GEMM needs one dtype (cast x, or run under torch.autocast)")
-    return x, weight, bias, lora_A, lora_B, scaling, dropout_p
-
-
-def _quantized_result(out, weight, x):
-    """A quantized base returns x's dtype, as bitsandbytes' Linear4bit does (``.to(inp_dtype)``), also
-    under autocast (an fp32 input gives an fp32 result); a dense base returns the GEMM's dtype."""
-    return out.to(x.dtype) if _is_quantized(weight) and out.dtype != x.dtype else out
+    return x, weight, bias, lora_A, lora_B, scaling, dropout_p, result_dtype
 
 
 def lora_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, lora_A: torch.Tensor,
@@ -578,16 +663,15 @@ def lora_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     constant of the graph). Returns [..., out] in the base result's dtype.
     """
     op = "lora_linear"
-    x_c, weight, bias, lora_A, lora_B, scaling, dropout_p = _prepare_projection(
+    x_c, weight, bias, lora_A, lora_B, scaling, dropout_p, result_dtype = _prepare_projection(
         op, x, weight, bias, lora_A, lora_B, scaling, dropout_p)
     seed_t = _seed_tensor(op, seed, x.device) if dropout_p > 0 else None
     if not use_triton(x.device):
-        return _quantized_result(lora_linear_reference(x_c, weight, bias, lora_A, lora_B, scaling, dropout_p, seed_t),
-                                 weight, x)
+        return lora_linear_reference(x_c, weight, bias, lora_A, lora_B, scaling, dropout_p, seed_t, result_dtype)
     x2d = rows_view(x_c, x_c.shape[-1])
     with torch.autocast(x.device.type, enabled=False):
-        out = _LoRALinearFunction.apply(x2d, weight, bias, lora_A, lora_B, scaling, dropout_p, seed_t)
-    return _quantized_result(out.view(*x.shape[:-1], weight.shape[0]), weight, x)
+        out = _LoRALinearFunction.apply(x2d, weight, bias, lora_A, lora_B, scaling, dropout_p, seed_t, result_dtype)
+    return out.view(*x.shape[:-1], weight.shape[0])
 
 
 def lora_linears(x: torch.Tensor, projections: Sequence[Sequence]) -> tuple[torch.Tensor, ...]:
@@ -603,7 +687,7 @@ def lora_linears(x: torch.Tensor, projections: Sequence[Sequence]) -> tuple[torc
     if not isinstance(projections, (list, tuple)) or len(projections) == 0:
         raise ValueError(f"{op}: projections must be a non-empty list of (weight, bias, lora_A, lora_B, "
                          "scaling, dropout_p, seed) tuples")
-    prepared = []
+    prepared, result_dtypes = [], []
     x_c = None
     for i, proj in enumerate(projections):
         if not isinstance(proj, (list, tuple)) or len(proj) != 7:
@@ -611,13 +695,22 @@ def lora_linears(x: torch.Tensor, projections: Sequence[Sequence]) -> tuple[torc
             raise ValueError(f"{op}: projection {i} must be (weight, bias, lora_A, lora_B, scaling, dropout_p, "
                              f"seed); got {got}")
         weight, bias, lora_A, lora_B, scaling, dropout_p, seed = proj
-        x_i, weight, bias, lora_A, lora_B, scaling, dropout_p = _prepare_projection(
+        x_i, weight, bias, lora_A, lora_B, scaling, dropout_p, result_dtype = _prepare_projection(
             f"{op}[{i}]", x, weight, bias, lora_A, lora_B, scaling, dropout_p)
         x_c = x_i if x_c is None else x_c  # the same cast of x for every projection
         seed_t = _seed_tensor(op, seed, x.device) if dropout_p > 0 else None
         prepared.append((weight, bias, lora_A, lora_B, scaling, dropout_p, seed_t))
+        result_dtypes.append(result_dtype)
+    if len(set(result_dtypes)) > 1:  # quantized and dense bases under autocast: x reaches each kind as its own
+        outs = [None] * len(prepared)
+        for kind in set(result_dtypes):
+            chosen = [i for i, rd in enumerate(result_dtypes) if rd == kind]
+            for i, out in zip(chosen, lora_linears(x, [prepared[i] for i in chosen])):
+                outs[i] = out
+        return tuple(outs)
+    result_dtype = result_dtypes[0]
     if not use_triton(x.device):
-        return tuple(_quantized_result(o, p[0], x) for o, p in zip(lora_linears_reference(x_c, prepared), prepared))
+        return lora_linears_reference(x_c, prepared, result_dtype)
     has_bias = tuple(p[1] is not None for p in prepared)
     scalings = tuple(p[4] for p in prepared)
     dropout_ps = tuple(p[5] for p in prepared)
@@ -628,9 +721,9 @@ def lora_linears(x: torch.Tensor, projections: Sequence[Sequence]) -> tuple[torc
         tensors += [seed_t] if seed_t is not None else []
     x2d = rows_view(x_c, x_c.shape[-1])
     with torch.autocast(x.device.type, enabled=False):
-        outs = _LoRALinearsFunction.apply(x2d, (has_bias, scalings, dropout_ps, stacked, tuple(x.shape[:-1])),
-                                          *tensors)
-    return tuple(_quantized_result(o, p[0], x) for o, p in zip(outs, prepared))
+        outs = _LoRALinearsFunction.apply(
+            x2d, (has_bias, scalings, dropout_ps, stacked, tuple(x.shape[:-1]), result_dtype), *tensors)
+    return tuple(outs)
 
 
 def lora_dropout_mask(seed, shape: Sequence[int], p: float, device: torch.device | str | None = None

@@ -26,23 +26,24 @@ from foak.ops.lora import (
     _add_input_grad_base,
     _adapter_input,
     _adapter_input_grad,
+    _dense,
     _dropout_op,
     _prepare_projection,
     _projection_output,
-    _quantized_result,
     _restore,
     _saveable,
     _scaled,
     _seed_tensor,
+    _split_output,
     lora_linear_reference,
 )
 
 
 # 1. reference -------------------------------------------------------------------------------------
 def lora_glu_linear_reference(g, u, weight, bias, lora_A, lora_B, scaling, dropout_p=0.0, seed=None,
-                              activation: str = "silu"):
+                              activation: str = "silu", result_dtype=None):
     return lora_linear_reference(glu_reference(g, u, activation), weight, bias, lora_A, lora_B, scaling,
-                                 dropout_p, seed)
+                                 dropout_p, seed, result_dtype)
 
 
 # 2./3. kernels and launchers: foak.ops.activations (GLU, with STORE_H) and foak.ops.lora (dropout) ----
@@ -64,16 +65,25 @@ def _glu_backward_op(dh: torch.Tensor, g: torch.Tensor, u: torch.Tensor, activat
 
 class _LoRAGLULinearFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, g, u, weight, bias, lora_A, lora_B, scaling, dropout_p, seed, activation, inplace):
+    def forward(ctx, g, u, weight, bias, lora_A, lora_B, scaling, dropout_p, seed, activation, inplace,
+                result_dtype):
         h = _glu_forward_op(g, u, activation)
         h2d = h.view(-1, h.shape[-1])
-        xa = _adapter_input(h2d, lora_A.dtype, dropout_p, seed)
+        # result_dtype (a quantized base under autocast): g, u and h are in it, cast for the GEMMs as
+        # bitsandbytes casts its input, and the output is in it too (foak.ops.lora._split_output)
+        h_c = h2d if result_dtype is None or h2d.dtype == weight.dtype else h2d.to(weight.dtype)
+        xa = _adapter_input(h_c, lora_A.dtype, dropout_p, seed)
         small = torch.mm(xa, lora_A.t())
         del xa
-        out = _projection_output(h2d, weight, bias, small, lora_B, scaling)
+        if result_dtype is not None:
+            out = _split_output(h_c, weight, bias, small, lora_B, scaling,
+                                h_c.new_empty((h_c.shape[0], weight.shape[0]), dtype=result_dtype))
+        else:
+            out = _projection_output(h2d, weight, bias, small, lora_B, scaling)
         saved, ctx.quantized = _saveable([g, u, weight, lora_A, lora_B, small, seed])
         ctx.save_for_backward(*saved)
         ctx.scaling, ctx.dropout_p, ctx.activation, ctx.inplace = scaling, dropout_p, activation, inplace
+        ctx.split = result_dtype is not None
         return out.view(*g.shape[:-1], out.shape[-1])
 
     @staticmethod
@@ -88,13 +98,22 @@ class _LoRAGLULinearFunction(torch.autograd.Function):
         need_A, need_B = ctx.needs_input_grad[4], ctx.needs_input_grad[5]
         dy = dout.reshape(-1, dout.shape[-1])
         adapter_dtype = lora_A.dtype
-        dy_a = dy if dy.dtype == adapter_dtype else dy.to(adapter_dtype)
-        dB = _scaled(torch.mm(dy_a.t(), small), s) if need_B else None
-        gd = _scaled(torch.mm(dy_a, lora_B), s)  # gradient of the rank-sized product (scaling included)
         g2d, u2d = g.view(-1, g.shape[-1]), u.view(-1, u.shape[-1])
-        # the adapter's part (masked) first, then the base GEMM accumulates onto it: dh is fresh and contiguous
-        dh, _ = _adapter_input_grad(None, gd, lora_A, g2d, seed, p, dy.dtype, False)
-        dh = _add_input_grad_base(dh, [dy], [weight])
+        if ctx.split:  # as foak.ops.lora._split_backward: PEFT's casts and sums, dh in g's dtype
+            dy_c = dy if dy.dtype == weight.dtype else dy.to(weight.dtype)
+            dy_s = dy_c if s == 1.0 else dy_c * s
+            dB = torch.mm(dy_s.t(), small) if need_B else None
+            gd = torch.mm(dy_s, lora_B)
+            dh, _ = _adapter_input_grad(None, gd, lora_A, g2d, seed, p, weight.dtype, False)
+            dh = dh if dh.dtype == g.dtype else dh.to(g.dtype)  # fresh and contiguous: h is written into it
+            dh.add_(torch.mm(dy_c, _dense(weight, weight.dtype)))
+        else:
+            dy_a = dy if dy.dtype == adapter_dtype else dy.to(adapter_dtype)
+            dB = _scaled(torch.mm(dy_a.t(), small), s) if need_B else None
+            gd = _scaled(torch.mm(dy_a, lora_B), s)  # gradient of the rank-sized product (scaling included)
+            # the adapter's part (masked) first, then the base GEMM accumulates onto it: dh is fresh and contiguous
+            dh, _ = _adapter_input_grad(None, gd, lora_A, g2d, seed, p, dy.dtype, False)
+            dh = _add_input_grad_base(dh, [dy], [weight])
         if ctx.inplace:
             # eager only: each thread reads dh[i], g[i], u[i] before writing dg[i], du[i], h[i] over them
             _backward_launch(dh, g2d, u2d, g2d, u2d, ctx.activation, h=dh)
@@ -105,12 +124,13 @@ class _LoRAGLULinearFunction(torch.autograd.Function):
         h2d = dh  # now act(g) * u
         dA = None
         if need_A:
-            if p > 0:
-                xa = _dropout_op(h2d, seed, p, adapter_dtype)
+            if p > 0:  # the forward's adapter input again: dropout after the cast to the compute dtype
+                h_c = h2d.to(weight.dtype) if ctx.split and h2d.dtype != weight.dtype else h2d
+                xa = _dropout_op(h_c, seed, p, adapter_dtype)
             else:
                 xa = h2d if h2d.dtype == adapter_dtype else h2d.to(adapter_dtype)
             dA = torch.mm(gd.t(), xa)
-        return dg, du, None, None, dA, dB, None, None, None, None, None
+        return dg, du, None, None, dA, dB, None, None, None, None, None, None
 
 
 # 5. public function -------------------------------------------------------------------------------
@@ -124,23 +144,22 @@ def lora_glu_linear(g: torch.Tensor, u: torch.Tensor, weight, bias: torch.Tensor
     op = "lora_glu_linear"
     check_glu_inputs(op, g, u, activation)
     h_like = g  # the product has g's dtype and shape: lora_linear's checks of x apply to it
-    _, weight, bias, lora_A, lora_B, scaling, dropout_p = _prepare_projection(
+    _, weight, bias, lora_A, lora_B, scaling, dropout_p, result_dtype = _prepare_projection(
         op, h_like, weight, bias, lora_A, lora_B, scaling, dropout_p)
     device_type = g.device.type
-    if torch.is_autocast_enabled(device_type):
+    if torch.is_autocast_enabled(device_type) and result_dtype is None:  # (a quantized base casts act(g) * u)
         dtype = torch.get_autocast_dtype(device_type)
         g, u = g.to(dtype), u.to(dtype)
     if g.dtype != u.dtype:
         raise ValueError(f"{op}: g and u must share one dtype, got {g.dtype} and {u.dtype}")
     seed_t = _seed_tensor(op, seed, g.device) if dropout_p > 0 else None
     if not use_triton(g.device):
-        out = lora_glu_linear_reference(g, u, weight, bias, lora_A, lora_B, scaling, dropout_p, seed_t, activation)
-        return _quantized_result(out, weight, h_like)
+        return lora_glu_linear_reference(g, u, weight, bias, lora_A, lora_B, scaling, dropout_p, seed_t, activation,
+                                         result_dtype)
     g, u = g.contiguous(), u.contiguous()
     inplace = bool(inplace_backward) and can_overwrite(g, u)
     if inplace:
         claim(g, u)
     with torch.autocast(device_type, enabled=False):
-        out = _LoRAGLULinearFunction.apply(g, u, weight, bias, lora_A, lora_B, scaling, dropout_p, seed_t,
-                                           activation, inplace)
-    return _quantized_result(out, weight, h_like)
+        return _LoRAGLULinearFunction.apply(g, u, weight, bias, lora_A, lora_B, scaling, dropout_p, seed_t,
+                                            activation, inplace, result_dtype)

@@ -126,7 +126,8 @@ def glu_mlp_rule(arch: str, mlp_class: type) -> Rule:
 
         def forward(self, x):
             down = self.down_proj
-            x = cast_for_projections(x)  # under autocast over fp32 weights: one cast for gate and up
+            # under autocast over fp32 weights: one cast for gate and up, unless they are quantized (autocast.py)
+            x = cast_for_projections(x, (self.gate_proj, self.up_proj))
             lora_mlp = _lora_glu_mlp(self)
             if lora_mlp is not None:  # PEFT LoRA projections that fused_lora patched: fused LoRA blocks
                 out = lora_mlp(self.gate_proj, self.up_proj, down, x, activation)
@@ -189,6 +190,9 @@ def _install_rope(module_name: str, attr: str):
     return globals_.replace_attribute(module, attr, _foak_apply_rotary_pos_emb(getattr(module, attr)))
 
 
+_QKV = ("q_proj", "k_proj", "v_proj")
+
+
 def rope_rule(arch: str, attention_class: type, function_name: str = "apply_rotary_pos_emb") -> Rule:
     module_name = attention_class.__module__
 
@@ -204,8 +208,9 @@ def rope_rule(arch: str, attention_class: type, function_name: str = "apply_rota
                              functools.partial(_install_rope, module_name, function_name))
 
         def forward(self, *args, **kwargs):
-            # under autocast over fp32 weights, q/k/v share one cast of the input (foak.patching.autocast)
-            args, kwargs = cast_first_argument(args, kwargs)
+            # under autocast over fp32 weights, q/k/v share one cast of the input, unless they are quantized
+            # (foak.patching.autocast)
+            args, kwargs = cast_first_argument(args, kwargs, [getattr(self, p, None) for p in _QKV])
             previous = _ROPE_ACTIVE.on
             _ROPE_ACTIVE.on = True
             try:
