@@ -313,9 +313,8 @@ def apply(model: nn.Module, rules: list[Rule], model_type: str = "", _report: Pa
     if watch is not None:
         watch.start(model)
         stack = _decoder_stack(model)
-        install_forward(stack, _WATCH_ID, _watching_forward)
         stack.__dict__[_WATCHED_BY] = weakref.ref(model)
-        state.modules.append(stack)
+        state.on_restore(stack.register_forward_pre_hook(_watch_hook).remove)
         state.on_restore(lambda: stack.__dict__.pop(_WATCHED_BY, None))
     object.__setattr__(model, _STATE_ATTR, state)  # a plain attribute: not a submodule, not in state_dict
     # a deepcopy (a TRL reference model, an EMA copy) gets its own patch: its own report, its own share of the
@@ -423,17 +422,16 @@ def restore(model: nn.Module) -> nn.Module:
     return model
 
 
-_WATCH_ID = "foak.watch"
-
-
-def _watching_forward(self, *args, **kwargs):
-    if not torch.compiler.is_compiling():  # (tracing must not re-patch: see foak.patching.new_layers)
-        owner = self.__dict__.get(_WATCHED_BY)
-        model = owner() if owner is not None else None
-        state = model.__dict__.get(_STATE_ATTR) if model is not None else None
-        if state is not None and state.watch is not None and state.watch.changed(model):
-            state.watch.update(model, state)
-    return next_forward(self, _WATCH_ID)(*args, **kwargs)
+def _watch_hook(stack: nn.Module, args) -> None:
+    """Forward pre-hook of a patched model's decoder stack: the model's ``watch`` (see :func:`apply`)."""
+    if torch.compiler.is_compiling():  # (tracing must not re-patch: see foak.patching.new_layers)
+        return
+    owner = stack.__dict__.get(_WATCHED_BY)
+    model = owner() if owner is not None else None
+    state = model.__dict__.get(_STATE_ATTR) if model is not None else None
+    if state is not None and state.watch is not None and _decoder_stack(model) is stack and \
+            state.watch.changed(model):
+        state.watch.update(model, state)
 
 
 def _deepcopy_patched(model: nn.Module, memo: dict) -> nn.Module:
