@@ -171,3 +171,47 @@ def test_default_config_compiles_fullgraph_and_matches_eager(arch, kinds):
                 assert relative_error(grads_c[name], grads_r[name]) < 1e-5, (kind, name)
     finally:
         foak.restore(model)
+
+
+@pytest.mark.parametrize("base", ["nf4", "gptq"])
+def test_a_fused_lora_layer_over_a_quantized_base_compiles_after_an_eager_call(base, tmp_path):
+    # the caches of the quantized weights (filled by the eager call) are read without their data pointers
+    # and storages while dynamo traces (comparing those was a graph break)
+    if base == "nf4":
+        from test_lora_nf4_rules import qlora_llama
+
+        torch.manual_seed(0)
+        tiny_model("llama").save_pretrained(tmp_path)
+        model = qlora_llama(tmp_path, torch.float32, torch.float32, targets=["down_proj"])
+    else:
+        from test_lora_gptq_rules import gptq_lora
+
+        from foak.quant import quantize_model_gptq, save_gptq
+
+        torch.manual_seed(0)
+        save_gptq(quantize_model_gptq(tiny_model("llama"), group_size=32), tmp_path)
+        model = gptq_lora(tmp_path, torch.float32, targets=["down_proj"])
+    report = foak.patch(model, fused_lora=True)
+    assert report.result("llama.fused_lora").modules == 2
+    layer = model.base_model.model.model.layers[0].mlp.down_proj
+    x = torch.randn(2, 5, layer.in_features)
+
+    def run(fn):
+        xs = x.clone().requires_grad_()
+        out = fn(xs)
+        params = [p for p in layer.parameters() if p.requires_grad]
+        return (out, *torch.autograd.grad(out.square().sum(), [xs, *params]))
+
+    try:
+        eager = run(layer)
+        torch._dynamo.reset()
+        counters.clear()
+        compiled, graphs = _compile(layer)
+        traced = run(compiled)
+        assert dict(counters["graph_break"]) == {}
+        assert "torch.ops.foak." + ("nf4_dequantize" if base == "nf4" else "gptq_") in "\n".join(graphs)
+    finally:
+        foak.restore(model)
+    assert len(eager) == 4  # out, dx, dA, dB
+    for e, c in zip(eager, traced):
+        assert relative_error(c, e) < 1e-5

@@ -102,8 +102,9 @@ def _nf4_weight(base) -> NF4Weight:
     """The NF4Weight of a bitsandbytes Linear4bit, built once per quantized storage (a move to another
     device or a re-quantization builds a new one)."""
     data, state = base.weight.data, base.weight.quant_state
-    key = (data.data_ptr(), data.device, id(state), state.absmax.data_ptr())
-    cached = _NF4_CACHE.get(base)
+    compiling = torch.compiler.is_compiling()  # data pointers cannot be compared while dynamo traces
+    key = None if compiling else (data.data_ptr(), data.device, id(state), state.absmax.data_ptr())
+    cached = None if compiling else _NF4_CACHE.get(base)
     if cached is not None and cached[0] == key:
         return cached[1]
     packed = data if data.dtype == torch.uint8 else data.view(torch.uint8)
@@ -112,7 +113,8 @@ def _nf4_weight(base) -> NF4Weight:
         kwargs.update(nested_absmax=state.state2.absmax, nested_code=state.state2.code,
                       nested_blocksize=state.state2.blocksize, offset=state.offset)
     weight = NF4Weight(packed, state.absmax, tuple(state.shape), state.dtype, **kwargs)
-    _NF4_CACHE[base] = (key, weight)
+    if not compiling:
+        _NF4_CACHE[base] = (key, weight)
     return weight
 
 
