@@ -257,7 +257,7 @@ def _glu_backward_op(da: torch.Tensor, h: torch.Tensor, activation: str) -> tupl
         a_ = glu_reference(g_, u_, activation)
         dg, du = torch.autograd.grad(a_, (g_, u_), da)
     dh[:, :inter], dh[:, inter:] = dg, du
-    return dh, a_.detach()
+    return dh, a_.detach().contiguous()
 
 
 # 4. autograd --------------------------------------------------------------------------------------

@@ -407,7 +407,7 @@ def _by_positions_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, position
 
 
 def _by_positions_backward_fake(dout, q, k, v, position_ids, scale, window, backend):
-    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)  # contiguous, as the op returns
 
 
 @custom_op("varlen_attention_backward", _by_positions_backward_fake)
