@@ -144,7 +144,14 @@ def _gptq_call_reason(base, x):
     return None
 
 
-GPTQ = BaseFormat("foak GPTQ-4bit GPTQLinear", _gptq_lora_class, _gptq_base_class, lambda base: None,
+def _gptq_patch_reason(base):
+    # the weight object is validated (a host read of g_idx) and kept now: a first call under torch.compile then
+    # finds it instead of building it inside the trace, where that read is a graph break
+    base.weight_object()
+    return None
+
+
+GPTQ = BaseFormat("foak GPTQ-4bit GPTQLinear", _gptq_lora_class, _gptq_base_class, _gptq_patch_reason,
                   _gptq_call_reason, lambda base: base.weight_object())
 
 FORMATS = (PLAIN, BNB_NF4, GPTQ)

@@ -214,9 +214,10 @@ class GPTQLinear(nn.Module):
         tensors = [self._parameters[n] for n in ("qweight", "qzeros", SCALES_BITS, "g_idx")]
         cache = self._weight_cache
         if torch.compiler.is_compiling() and cache is not None and all(a is b for a, b in zip(cache[0], tensors)) \
+                and cache[1].device == tensors[0].device \
                 and cache[2][-3:] == [self._scales_dtype, self.compute_dtype, self.zero_offset]:
             # storages and versions cannot be read while dynamo traces: the weight an eager call built over these
-            # same tensors (building one here reads g_idx on the host: a graph break)
+            # same tensors on this device (building one here reads g_idx on the host: a graph break)
             return cache[1]
         key = [(t.untyped_storage()._cdata, t.storage_offset(), t.shape, t.stride(), t.dtype, t.device, t._version)
                for t in tensors] + [self._scales_dtype, self.compute_dtype, self.zero_offset]
