@@ -146,8 +146,11 @@ def _gptq_call_reason(base, x):
 
 def _gptq_patch_reason(base):
     # the weight object is validated (a host read of g_idx) and kept now: a first call under torch.compile then
-    # finds it instead of building it inside the trace, where that read is a graph break
-    base.weight_object()
+    # finds it instead of building it inside the trace, where that read is a graph break. Not while FSDP2
+    # holds the tensors sharded (DTensors): the layer's forward builds it from the gathered ones.
+    dtensor = getattr(sys.modules.get("torch.distributed.tensor"), "DTensor", None)
+    if dtensor is None or not any(isinstance(p, dtensor) for p in base.parameters(recurse=False)):
+        base.weight_object()
     return None
 
 
