@@ -95,6 +95,29 @@ def _opcheck_cases():
                                             lce_key, True, True, False, False, True)),
         (ops.linear_cross_entropy_backward, (torch.randn(7), hidden, head, torch.randn(301), target,
                                              torch.randn(2, 7), None, lce_key, True, False, True, False)),
+        *_moe_and_packed_attention_cases(),
+    ]
+
+
+def _moe_and_packed_attention_cases():
+    import foak.ops.moe  # noqa: F401  (registers the ops)
+    import foak.ops.varlen_attention  # noqa: F401
+
+    ops = torch.ops.foak
+    y, pos, w = torch.randn(6, 10), torch.tensor([[0, 3], [1, 5], [2, 4]]), torch.rand(3, 2)
+    offs = torch.tensor([2, 2, 6], dtype=torch.int32)  # 3 experts: 2, 0 and 4 rows
+    h, da = torch.randn(6, 8), torch.randn(6, 4)
+    q, kv = torch.randn(8, 4, 16), torch.randn(8, 2, 16)
+    positions = torch.tensor([[0, 1, 2, 0], [0, 1, 2, 3]])  # 2 rows of 4: sequences of 3, 1 and 4 tokens
+    return [
+        (ops.moe_combine, (y, pos, w, torch.float32)),
+        (ops.moe_combine, (y, pos, None, torch.float64)),
+        (ops.moe_combine_backward, (torch.randn(3, 10), y, pos, w)),
+        (ops.moe_grouped_mm, (y, torch.randn(3, 10, 7), offs)),
+        (ops.moe_grouped_mm_weight, (y, torch.randn(6, 7), offs, 3)),
+        (ops.moe_glu_backward, (da, h, "silu")),
+        (ops.varlen_attention, (q, kv, kv.clone(), positions, None, 3, "sdpa")),
+        (ops.varlen_attention_backward, (torch.randn(8, 4, 16), q, kv, kv.clone(), positions, 0.3, None, "sdpa")),
     ]
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import functools
 
 import torch
@@ -29,3 +30,20 @@ def custom_op(name: str, fake, mutates_args=()):
         return call
 
     return decorate
+
+
+_AUTOGRAD_KEYS = ("AutogradFunctionality", "AutogradOther", "AutogradNestedTensor", "ADInplaceOrView")
+
+
+@contextlib.contextmanager
+def autograd_inside_op():
+    """Grad mode with autograd dispatch back on, inside a custom op's implementation (the dispatcher runs it
+    below the autograd keys, where ``torch.enable_grad()`` alone records nothing): for a backward op that
+    recomputes its forward under autograd. Outside the dispatcher (eager calls of the implementation) it
+    changes nothing but grad mode."""
+    C = torch._C
+    exclude = C._dispatch_tls_local_exclude_set()
+    for name in _AUTOGRAD_KEYS:
+        exclude = exclude.remove(getattr(C.DispatchKey, name))
+    with C._ForceDispatchKeyGuard(C._dispatch_tls_local_include_set(), exclude), torch.enable_grad():
+        yield

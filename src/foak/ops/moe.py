@@ -27,6 +27,13 @@ kernel transformers' ``grouped_mm`` backend calls); otherwise (fp32, fp16, CPU) 
 with tokens, which needs the per-expert counts on the host (one synchronisation per call). Under autocast
 the weights and input are cast to the autocast dtype, as ``nn.Linear`` would (gradients flow back to the
 weights' own dtype).
+
+torch.compile (fullgraph) traces the routing bookkeeping as torch ops and each kernel launch as a custom op
+(``torch.ops.foak.moe_combine``, ``moe_combine_backward``, ``glu_forward``, ``moe_glu_backward``);
+``torch._grouped_mm`` is traced as it is, and the per-expert loop runs inside ``moe_grouped_mm`` /
+``moe_grouped_mm_weight``, which read the group sizes when they run (one synchronisation per GEMM instead of
+one per forward and backward). Compiled, the backward writes into new buffers instead of over the saved
+``h`` and ``da``.
 """
 
 from __future__ import annotations
@@ -37,7 +44,8 @@ import triton.language as tl
 
 from foak.backend import use_triton
 from foak.ops._checks import check_not_sharded
-from foak.ops.activations import ACTIVATIONS, _backward_launch, _forward_launch, glu_reference
+from foak.ops._custom_op import autograd_inside_op, custom_op
+from foak.ops.activations import ACTIVATIONS, _backward_launch, _glu_forward_op, glu_reference
 
 # recompute_h: the backward recomputes h = xs [G|U]^T (one more grouped GEMM, a third of the forward's FLOPs)
 # instead of keeping the [S, 2I] product from the forward (moe_experts' recompute_h=None reads this)
@@ -98,41 +106,63 @@ def _combine_backward_kernel(DOUT, Y, POS, W, DY, DW, H, K: tl.constexpr, K_POW2
     tl.store(DW + t * K + slots, dw.to(DW.dtype.element_ty), mask=slots < K)
 
 
-def _combine(y, pos, w, out_dtype):
-    """[S, H] rows in expert order -> [T, H]: sum over each token's k rows, weighted by w when given."""
+def _combine_fake(y, pos, w, out_dtype):
+    return y.new_empty((pos.shape[0], y.shape[1]), dtype=out_dtype)
+
+
+@custom_op("moe_combine", _combine_fake)
+def _combine_op(y: torch.Tensor, pos: torch.Tensor, w: torch.Tensor | None, out_dtype: torch.dtype) -> torch.Tensor:
     T, K = pos.shape
     H = y.shape[1]
     out = torch.empty((T, H), dtype=out_dtype, device=y.device)
     if T == 0:
         return out
-    if not use_triton(y.device):
-        rows = y[pos.reshape(-1)].view(T, K, H).float()
-        if w is not None:
-            rows = rows * w.float()[:, :, None]
-        return out.copy_(rows.sum(1))
     block = min(TUNING["block_h"], triton.next_power_of_2(H))
     _combine_kernel[(T, triton.cdiv(H, block))](
         y, pos, w if w is not None else y, out, H, K=K, HAS_W=w is not None, BLOCK_H=block, num_warps=TUNING["warps"])
     return out
 
 
-def _combine_backward(dout, y, pos, w):
-    """(dy [S, H] in expert order, dw [T, k])."""
+def _combine(y, pos, w, out_dtype):
+    """[S, H] rows in expert order -> [T, H]: sum over each token's k rows, weighted by w when given."""
+    if use_triton(y.device):
+        return _combine_op(y, pos, w, out_dtype)
+    T, K = pos.shape
+    rows = y[pos.reshape(-1)].view(T, K, y.shape[1]).float()
+    if w is not None:
+        rows = rows * w.float()[:, :, None]
+    return rows.sum(1).to(out_dtype)
+
+
+def _combine_backward_fake(dout, y, pos, w):
+    return torch.empty_like(y), w.new_empty(pos.shape)
+
+
+@custom_op("moe_combine_backward", _combine_backward_fake)
+def _combine_backward_op(dout: torch.Tensor, y: torch.Tensor, pos: torch.Tensor, w: torch.Tensor
+                         ) -> tuple[torch.Tensor, torch.Tensor]:
     T, K = pos.shape
     H = y.shape[1]
     dy = torch.empty_like(y)
     dw = torch.empty((T, K), dtype=w.dtype, device=w.device)
     if T == 0:
         return dy, dw
-    if not use_triton(y.device):
-        flat = pos.reshape(-1)
-        d = dout.float()
-        dy[flat] = (d[:, None, :] * w.float()[:, :, None]).reshape(T * K, H).to(dy.dtype)
-        dw.copy_((y[flat].float().view(T, K, H) * d[:, None, :]).sum(-1))
-        return dy, dw
     block = min(TUNING["block_h"], triton.next_power_of_2(H))
     _combine_backward_kernel[(T,)](dout, y, pos, w, dy, dw, H, K=K, K_POW2=triton.next_power_of_2(K),
                                    BLOCK_H=block, num_warps=TUNING["warps"])
+    return dy, dw
+
+
+def _combine_backward(dout, y, pos, w):
+    """(dy [S, H] in expert order, dw [T, k])."""
+    if use_triton(y.device):
+        return _combine_backward_op(dout, y, pos, w)
+    T, K = pos.shape
+    flat = pos.reshape(-1)
+    d = dout.float()
+    dy = torch.empty_like(y)
+    dy[flat] = (d[:, None, :] * w.float()[:, :, None]).reshape(T * K, -1).to(dy.dtype)
+    dw = (y[flat].float().view(T, K, -1) * d[:, None, :]).sum(-1).to(w.dtype)
     return dy, dw
 
 
@@ -143,34 +173,105 @@ def _use_grouped_mm(*tensors) -> bool:
             and all(x.shape[-1] % 8 == 0 for x in tensors))
 
 
-def _gmm(a, b, offs, counts):
-    """Rows of ``a`` [S, K] in expert groups (``offs``) times ``b[e]`` [K, N] -> [S, N]."""
-    if _use_grouped_mm(a, b):
-        return torch._grouped_mm(a, b, offs=offs)
+def _group_sizes(offs) -> list[int]:
+    """Rows per expert on the host (one synchronisation) from the cumulative ends ``offs``."""
+    return torch.diff(offs, prepend=offs.new_zeros(1)).tolist()
+
+
+def _gmm_loop(a, b, counts):
     out = a.new_empty((a.shape[0], b.shape[-1]))
     start = 0
-    for e, c in enumerate(counts()):
+    for e, c in enumerate(counts):
         if c:
             torch.mm(a[start:start + c], b[e], out=out[start:start + c])
         start += c
     return out
 
 
-def _gmm_weight(a, b, offs, counts, n_experts):
-    """Per expert group e: ``a_e^T b_e`` with a [S, M], b [S, N] -> [E, M, N] (zero for experts without rows)."""
-    if _use_grouped_mm(a, b):
-        out = torch._grouped_mm(a.t(), b, offs=offs)
-        return out
+def _gmm_weight_loop(a, b, counts, n_experts):
     out = a.new_zeros((n_experts, a.shape[1], b.shape[1]))
     start = 0
-    for e, c in enumerate(counts()):
+    for e, c in enumerate(counts):
         if c:
             torch.mm(a[start:start + c].t(), b[start:start + c], out=out[e])
         start += c
     return out
 
 
+# While torch.compile traces, the per-expert loop runs inside these ops: its host read of the group sizes
+# happens when the op runs, not while dynamo traces (where it would be a graph break).
+def _gmm_fake(a, b, offs):
+    return a.new_empty((a.shape[0], b.shape[-1]))
+
+
+@custom_op("moe_grouped_mm", _gmm_fake)
+def _gmm_op(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+    return _gmm_loop(a, b, _group_sizes(offs))
+
+
+def _gmm_weight_fake(a, b, offs, n_experts):
+    return a.new_empty((n_experts, a.shape[1], b.shape[1]))
+
+
+@custom_op("moe_grouped_mm_weight", _gmm_weight_fake)
+def _gmm_weight_op(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor, n_experts: int) -> torch.Tensor:
+    return _gmm_weight_loop(a, b, _group_sizes(offs), n_experts)
+
+
+def _gmm(a, b, offs, counts):
+    """Rows of ``a`` [S, K] in expert groups (``offs``) times ``b[e]`` [K, N] -> [S, N]. ``counts``: a function
+    returning the group sizes on the host (read once per forward and backward), None while compiling."""
+    if _use_grouped_mm(a, b):
+        return torch._grouped_mm(a, b, offs=offs)
+    if counts is None:
+        return _gmm_op(a, b, offs)
+    return _gmm_loop(a, b, counts())
+
+
+def _gmm_weight(a, b, offs, counts, n_experts):
+    """Per expert group e: ``a_e^T b_e`` with a [S, M], b [S, N] -> [E, M, N] (zero for experts without rows)."""
+    if _use_grouped_mm(a, b):
+        return torch._grouped_mm(a.t(), b, offs=offs)
+    if counts is None:
+        return _gmm_weight_op(a, b, offs, n_experts)
+    return _gmm_weight_loop(a, b, counts(), n_experts)
+
+
+def _glu_backward_fake(da, h, activation):
+    return torch.empty_like(h), torch.empty_like(da)
+
+
+@custom_op("moe_glu_backward", _glu_backward_fake)
+def _glu_backward_op(da: torch.Tensor, h: torch.Tensor, activation: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """(dh = [dg | du], a = act(g) * u) from h = [g | u] and da, into new buffers (the compiled backward's
+    form of the in-place kernel call)."""
+    inter = da.shape[1]
+    g, u = h[:, :inter], h[:, inter:]
+    dh = torch.empty_like(h)
+    if use_triton(h.device):
+        a = torch.empty_like(da)
+        _backward_launch(da, g, u, dh[:, :inter], dh[:, inter:], activation, h=a)
+        return dh, a
+    with autograd_inside_op():
+        g_, u_ = g.detach().requires_grad_(), u.detach().requires_grad_()
+        a_ = glu_reference(g_, u_, activation)
+        dg, du = torch.autograd.grad(a_, (g_, u_), da)
+    dh[:, :inter], dh[:, inter:] = dg, du
+    return dh, a_.detach().contiguous()
+
+
 # 4. autograd --------------------------------------------------------------------------------------
+def _host_counts(per_expert, cache: list):
+    """The group sizes on the host, read once (one synchronisation) for a forward and its backward."""
+
+    def counts():
+        if not cache:
+            cache.extend(per_expert.tolist())
+        return cache
+
+    return counts
+
+
 class _MoEExperts(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, top_k_index, top_k_weights, gate_up_proj, down_proj, activation, out_dtype,
@@ -187,17 +288,14 @@ class _MoEExperts(torch.autograd.Function):
         per_expert = torch.zeros(E, dtype=torch.int64, device=flat.device).scatter_add_(
             0, flat.long(), torch.ones_like(flat, dtype=torch.int64))
         offs = torch.cumsum(per_expert, 0, dtype=torch.int32)
-        host_counts = []
-
-        def counts():
-            if not host_counts:
-                host_counts.extend(per_expert.tolist())
-            return host_counts
-
+        # compiled: no host list kept on ctx; the per-expert GEMM loop reads the sizes inside its custom op
+        compiling = torch.compiler.is_compiling()
+        cache = None if compiling else []
+        counts = None if compiling else _host_counts(per_expert, cache)
         src = order // K  # token of each sorted row
         xs = hidden[src]
         h = _gmm(xs, gate_up_proj.transpose(1, 2), offs, counts)  # [S, 2I]
-        a = _forward_launch(h[:, :inter], h[:, inter:], activation) if use_triton(h.device) else \
+        a = _glu_forward_op(h[:, :inter], h[:, inter:], activation) if use_triton(h.device) else \
             glu_reference(h[:, :inter], h[:, inter:], activation)
         y = _gmm(a, down_proj.transpose(1, 2), offs, counts)  # [S, H]
         del a, xs
@@ -209,25 +307,23 @@ class _MoEExperts(torch.autograd.Function):
             h = None
         ctx.save_for_backward(hidden, top_k_weights, gate_up_proj, down_proj, h, y, pos, src, offs, per_expert)
         ctx.activation = activation
-        ctx.host_counts = host_counts
+        ctx.host_counts = cache
         ctx.consumed = False
         return out
 
     @staticmethod
     def backward(ctx, dout):
-        if ctx.consumed:
-            raise RuntimeError("moe_experts: backward ran twice through the same forward (retain_graph=True); its "
-                               "backward overwrites the saved [S, 2I] activations with their gradient to save "
-                               "memory, so run the forward again instead")
-        ctx.consumed = True
+        # compiled, the backward computes into new buffers (the traced graph owns its memory): no in-place
+        # GLU backward, so no one-backward-per-forward limit either
+        compiling = torch.compiler.is_compiling()
+        if not compiling:
+            if ctx.consumed:
+                raise RuntimeError("moe_experts: backward ran twice through the same forward (retain_graph=True); "
+                                   "its backward overwrites the saved [S, 2I] activations with their gradient to "
+                                   "save memory, so run the forward again instead")
+            ctx.consumed = True
         hidden, w, gate_up_proj, down_proj, h, y, pos, src, offs, per_expert = ctx.saved_tensors
-        host_counts = ctx.host_counts
-
-        def counts():
-            if not host_counts:
-                host_counts.extend(per_expert.tolist())
-            return host_counts
-
+        counts = None if compiling else _host_counts(per_expert, ctx.host_counts)
         E, inter = gate_up_proj.shape[0], down_proj.shape[-1]
         dout = dout.contiguous()
         dy, dw = _combine_backward(dout, y, pos, w)
@@ -235,21 +331,14 @@ class _MoEExperts(torch.autograd.Function):
         da = _gmm(dy, down_proj, offs, counts)  # [S, I]
         if ctx.recompute_h:
             h = _gmm(hidden[src], gate_up_proj.transpose(1, 2), offs, counts)
-        g, u = h[:, :inter], h[:, inter:]
-        if use_triton(h.device):
+        if use_triton(h.device) and not compiling:
             # in place: dh over h (this op's own buffer) and a = act(g) * u over da; each element is read
             # before the same thread overwrites it
-            dh = h
+            g, u = h[:, :inter], h[:, inter:]
             _backward_launch(da, g, u, g, u, ctx.activation, h=da)
-            a = da
+            dh, a = h, da
         else:
-            dh = torch.empty_like(h)
-            with torch.enable_grad():
-                g_, u_ = g.detach().requires_grad_(), u.detach().requires_grad_()
-                a_ = glu_reference(g_, u_, ctx.activation)
-                dg, du = torch.autograd.grad(a_, (g_, u_), da)
-            dh[:, :inter], dh[:, inter:] = dg, du
-            a = a_.detach()
+            dh, a = _glu_backward_op(da, h, ctx.activation)
         d_down = _gmm_weight(dy, a, offs, counts, E) if ctx.needs_input_grad[4] else None  # [E, H, I]
         del a, da, dy
         xs = hidden[src]

@@ -31,10 +31,13 @@ from __future__ import annotations
 import inspect
 import math
 import os
+import weakref
 from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
+
+from foak.ops._custom_op import autograd_inside_op, custom_op
 
 BACKENDS = ("auto", "flash", "varlen_attn", "flex", "sdpa")
 _forced: str | None = None
@@ -127,6 +130,44 @@ def packed_sequences(position_ids: torch.Tensor, batch_size: int | None = None) 
     cu = torch.cat([flat, torch.tensor([batch * seq_len])]).to(torch.int32)
     lengths = tuple(cu.diff().tolist())
     return PackedSequences(batch, seq_len, cu.to(position_ids.device), lengths, max(lengths))
+
+
+# position_ids tensors read recently -> their PackedSequences (or None): the layers of one forward, and a
+# checkpointed layer recomputed in the backward, read a batch's ids once. A plain dict (insertion order = age)
+# changed only by single dict operations, which are atomic: no lock on this per-call path, and any thread (the
+# autograd engine runs CUDA backwards on its own threads) finds what another one stored.
+_RECENT: dict[int, tuple] = {}
+_RECENT_SIZE = 8
+
+
+def remember_sequences(position_ids: torch.Tensor, batch: int, seqs: PackedSequences | None) -> None:
+    """Record ``seqs`` as the sequences of ``position_ids`` for a batch of ``batch`` rows (see sequences_of)."""
+    key = id(position_ids)
+    _RECENT.pop(key, None)  # re-inserted last: the newest
+    _RECENT[key] = (weakref.ref(position_ids), position_ids._version, batch, seqs)
+    while len(_RECENT) > _RECENT_SIZE:
+        try:
+            _RECENT.pop(next(iter(_RECENT)), None)
+        except (StopIteration, RuntimeError):  # emptied, or changed by another thread meanwhile
+            break
+
+
+def sequences_of(position_ids: torch.Tensor, batch: int | None = None) -> PackedSequences | None:
+    """:func:`packed_sequences`, remembered for the last few position-id tensors: the same tensor object,
+    not modified since (its version counter), for the same batch size reads nothing again."""
+    batch = position_ids.shape[0] if batch is None else batch
+    item = _RECENT.get(id(position_ids))
+    if item is not None and item[0]() is position_ids and item[1] == position_ids._version and item[2] == batch:
+        return item[3]
+    seqs = packed_sequences(position_ids, batch)
+    remember_sequences(position_ids, batch, seqs)
+    return seqs
+
+
+def rows_as_sequences(batch: int, seq_len: int, device=None) -> PackedSequences:
+    """:class:`PackedSequences` of a batch that is not packed: each of the ``batch`` rows one sequence."""
+    cu = torch.arange(0, batch * seq_len + 1, seq_len, dtype=torch.int32, device=device)
+    return PackedSequences(batch, seq_len, cu, (seq_len,) * batch, seq_len)
 
 
 def sequences_from_lengths(lengths, device=None, batch: int = 1) -> PackedSequences:
@@ -301,15 +342,7 @@ def resolve_backend(q: torch.Tensor, v: torch.Tensor, backend: str | None = None
     return name
 
 
-def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seqs: PackedSequences, *,
-                     scale: float | None = None, window: int | None = None, backend: str | None = None
-                     ) -> torch.Tensor:
-    """Causal attention of every packed sequence with itself only.
-
-    ``q``: [T, Hq, D]; ``k``, ``v``: [T, Hkv, D] (Hq a multiple of Hkv: GQA, K/V never repeated by foak), T =
-    ``seqs.total`` tokens in row order. ``scale``: default 1/sqrt(D). ``window``: a token attends to itself
-    and the ``window - 1`` before it (transformers' ``sliding_window``), None for none. ``backend``: see the
-    module docstring (default: the setting). Returns [T, Hq, D] in q's dtype; differentiable in q, k, v."""
+def _check_qkv(q, k, v) -> None:
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, torch.Tensor) or t.dim() != 3 or not t.is_floating_point():
             raise ValueError(f"varlen_attention: {name} must be a floating tensor [tokens, heads, head_dim], got "
@@ -322,9 +355,103 @@ def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seqs: Pa
                          "do not fit (same tokens; k and v the same heads; q and k the same head dim)")
     if q.shape[1] % k.shape[1]:
         raise ValueError(f"varlen_attention: {q.shape[1]} query heads are not a multiple of {k.shape[1]} K/V heads")
-    if q.shape[0] != seqs.total:
-        raise ValueError(f"varlen_attention: {q.shape[0]} tokens, but the sequences hold {seqs.total}")
+
+
+def _check_window(window) -> None:
     if window is not None and (not isinstance(window, int) or window < 1):
         raise ValueError(f"varlen_attention: window must be a positive int or None, got {window!r}")
+
+
+def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seqs: PackedSequences, *,
+                     scale: float | None = None, window: int | None = None, backend: str | None = None
+                     ) -> torch.Tensor:
+    """Causal attention of every packed sequence with itself only.
+
+    ``q``: [T, Hq, D]; ``k``, ``v``: [T, Hkv, D] (Hq a multiple of Hkv: GQA, K/V never repeated by foak), T =
+    ``seqs.total`` tokens in row order. ``scale``: default 1/sqrt(D). ``window``: a token attends to itself
+    and the ``window - 1`` before it (transformers' ``sliding_window``), None for none. ``backend``: see the
+    module docstring (default: the setting). Returns [T, Hq, D] in q's dtype; differentiable in q, k, v."""
+    _check_qkv(q, k, v)
+    if q.shape[0] != seqs.total:
+        raise ValueError(f"varlen_attention: {q.shape[0]} tokens, but the sequences hold {seqs.total}")
+    _check_window(window)
     name = resolve_backend(q, v, backend)
     return _IMPLEMENTATIONS[name](q, k, v, seqs, scale, window)
+
+
+# ---- the sequences read at run time: one custom op, for torch.compile --------------------------------
+# While torch.compile traces, the sequence boundaries cannot be read (a host read of the position ids is a
+# graph break, and the per-sequence loops depend on the values). These ops take the position ids instead and
+# find the sequences when they run (one host read per batch, remembered as above); a batch in which no row
+# restarts is one sequence per row. The backward recomputes the attention forward under autograd (one more
+# attention forward) instead of keeping backend-specific state from the forward.
+
+
+def _sequences_at_run_time(q: torch.Tensor, position_ids: torch.Tensor) -> PackedSequences:
+    seq_len = position_ids.shape[1]
+    batch = q.shape[0] // seq_len
+    seqs = sequences_of(position_ids, batch)
+    return rows_as_sequences(batch, seq_len, q.device) if seqs is None else seqs
+
+
+def _by_positions_fake(q, k, v, position_ids, scale, window, backend):
+    return q.new_empty((q.shape[0], q.shape[1], v.shape[2]))
+
+
+@custom_op("varlen_attention", _by_positions_fake)
+def _by_positions_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, position_ids: torch.Tensor,
+                     scale: float | None, window: int | None, backend: str) -> torch.Tensor:
+    seqs = _sequences_at_run_time(q, position_ids)
+    with torch.no_grad():
+        return _IMPLEMENTATIONS[backend](q, k, v, seqs, scale, window).contiguous()
+
+
+def _by_positions_backward_fake(dout, q, k, v, position_ids, scale, window, backend):
+    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)  # contiguous, as the op returns
+
+
+@custom_op("varlen_attention_backward", _by_positions_backward_fake)
+def _by_positions_backward_op(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                              position_ids: torch.Tensor, scale: float | None, window: int | None, backend: str
+                              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    seqs = _sequences_at_run_time(q, position_ids)
+    with autograd_inside_op():
+        q_, k_, v_ = (t.detach().requires_grad_() for t in (q, k, v))
+        out = _IMPLEMENTATIONS[backend](q_, k_, v_, seqs, scale, window)
+        dq, dk, dv = torch.autograd.grad(out, (q_, k_, v_), dout)
+    return dq.contiguous(), dk.contiguous(), dv.contiguous()
+
+
+class _VarlenByPositions(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, position_ids, scale, window, backend):
+        ctx.save_for_backward(q, k, v, position_ids)
+        ctx.scale, ctx.window, ctx.backend = scale, window, backend
+        return _by_positions_op(q, k, v, position_ids, scale, window, backend)
+
+    @staticmethod
+    def backward(ctx, dout):
+        q, k, v, position_ids = ctx.saved_tensors
+        dq, dk, dv = _by_positions_backward_op(dout.contiguous(), q, k, v, position_ids, ctx.scale, ctx.window,
+                                               ctx.backend)
+        return dq, dk, dv, None, None, None, None
+
+
+def varlen_attention_by_positions(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, position_ids: torch.Tensor, *,
+                                  scale: float | None = None, window: int | None = None,
+                                  backend: str | None = None) -> torch.Tensor:
+    """:func:`varlen_attention` with the sequences found from ``position_ids`` ([rows, seq_len], rows 1 or the
+    batch, T = batch * seq_len tokens) when the op runs, inside the custom ops ``torch.ops.foak.varlen_attention``
+    / ``varlen_attention_backward``: the form torch.compile traces without a graph break. A batch in which no
+    row restarts is one causal sequence per row. The backward recomputes the attention forward."""
+    _check_qkv(q, k, v)
+    if not isinstance(position_ids, torch.Tensor) or position_ids.dim() != 2 or position_ids.is_floating_point():
+        raise ValueError("varlen_attention_by_positions: position_ids must be an integer tensor [rows, seq_len], got "
+                         f"{type(position_ids).__name__} {tuple(getattr(position_ids, 'shape', ()))}")
+    rows, seq_len = position_ids.shape
+    if seq_len == 0 or q.shape[0] % seq_len or rows not in (1, q.shape[0] // seq_len):
+        raise ValueError(f"varlen_attention_by_positions: {q.shape[0]} tokens do not fit position_ids of shape "
+                         f"{tuple(position_ids.shape)} (tokens = batch * seq_len, rows 1 or the batch)")
+    _check_window(window)
+    name = resolve_backend(q, v, backend)
+    return _VarlenByPositions.apply(q, k, v, position_ids.to(q.device), scale, window, name)

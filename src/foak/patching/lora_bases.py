@@ -106,8 +106,9 @@ def _nf4_weight(base) -> NF4Weight:
     """The NF4Weight of a bitsandbytes Linear4bit, built once per quantized storage (a move to another
     device or a re-quantization builds a new one)."""
     data, state = base.weight.data, base.weight.quant_state
-    key = (data.data_ptr(), data.device, id(state), state.absmax.data_ptr())
-    cached = _NF4_CACHE.get(base)
+    compiling = torch.compiler.is_compiling()  # data pointers cannot be compared while dynamo traces
+    key = None if compiling else (data.data_ptr(), data.device, id(state), state.absmax.data_ptr())
+    cached = None if compiling else _NF4_CACHE.get(base)
     if cached is not None and cached[0] == key:
         return cached[1]
     packed = data if data.dtype == torch.uint8 else data.view(torch.uint8)
@@ -116,7 +117,8 @@ def _nf4_weight(base) -> NF4Weight:
         kwargs.update(nested_absmax=state.state2.absmax, nested_code=state.state2.code,
                       nested_blocksize=state.state2.blocksize, offset=state.offset)
     weight = NF4Weight(packed, state.absmax, tuple(state.shape), state.dtype, **kwargs)
-    _NF4_CACHE[base] = (key, weight)
+    if not compiling:
+        _NF4_CACHE[base] = (key, weight)
     return weight
 
 
@@ -146,7 +148,17 @@ def _gptq_call_reason(base, x):
     return None
 
 
-GPTQ = BaseFormat("foak GPTQ-4bit GPTQLinear", _gptq_lora_class, _gptq_base_class, lambda base: None,
+def _gptq_patch_reason(base):
+    # the weight object is validated (a host read of g_idx) and kept now: a first call under torch.compile then
+    # finds it instead of building it inside the trace, where that read is a graph break. Not while FSDP2
+    # holds the tensors sharded (DTensors): the layer's forward builds it from the gathered ones.
+    dtensor = getattr(sys.modules.get("torch.distributed.tensor"), "DTensor", None)
+    if dtensor is None or not any(isinstance(p, dtensor) for p in base.parameters(recurse=False)):
+        base.weight_object()
+    return None
+
+
+GPTQ = BaseFormat("foak GPTQ-4bit GPTQLinear", _gptq_lora_class, _gptq_base_class, _gptq_patch_reason,
                   _gptq_call_reason, lambda base: base.weight_object())
 
 FORMATS = (PLAIN, BNB_NF4, GPTQ)

@@ -32,6 +32,12 @@ attention softcap. GPTBigCode's attention receives no position_ids: it has no ru
 Models whose config names another implementation are left alone and say why in the row:
 ``flash_attention_*`` already run packed batches per sequence (varlen from position_ids), ``flex_attention``
 keeps them apart with its block mask.
+
+Under torch.compile the position ids cannot be read while dynamo traces (a host read is a graph break): a
+stack forward given position ids and no attention mask then sends every attention layer to
+``varlen_attention_by_positions`` (foak.ops.varlen_attention), a custom op that finds the sequences when it
+runs (a batch in which no row restarts is one sequence per row) and whose backward recomputes the attention
+forward. Calls that run compiled are not counted in the report row.
 """
 
 from __future__ import annotations
@@ -42,7 +48,6 @@ import sys
 import threading
 import warnings
 import weakref
-from collections import OrderedDict
 
 import torch
 from torch import nn
@@ -151,29 +156,30 @@ class _Current(threading.local):
 
 
 _CURRENT = _Current()  # the patched decoder stack running in this thread, if any
-# recent position_ids tensors -> their PackedSequences (or None): a checkpointed layer recomputed in the
-# backward, outside the stack's forward, finds its batch here without reading the ids again
-_RECENT: OrderedDict[int, tuple] = OrderedDict()
-_RECENT_SIZE = 8
-_recent_lock = threading.Lock()
 
 
-def _remember(position_ids: torch.Tensor, seqs) -> None:
-    with _recent_lock:
-        _RECENT[id(position_ids)] = (weakref.ref(position_ids), position_ids._version, seqs)
-        _RECENT.move_to_end(id(position_ids))
-        while len(_RECENT) > _RECENT_SIZE:
-            _RECENT.popitem(last=False)
+class _AtRunTime:
+    """The seqs of a stack's forward that torch.compile traces: the position ids cannot be read while tracing,
+    so the attention layers call the custom op that finds the sequences when it runs
+    (foak.ops.varlen_attention.varlen_attention_by_positions)."""
+
+    __slots__ = ("batch", "seq_len")
+
+    def __init__(self, batch: int, seq_len: int):
+        self.batch, self.seq_len = batch, seq_len
+
+    @property
+    def total(self) -> int:
+        return self.batch * self.seq_len
+
+
+def _remember(position_ids: torch.Tensor, batch: int, seqs) -> None:
+    # a checkpointed layer recomputed in the backward, outside the stack's forward, finds its batch again
+    _varlen.remember_sequences(position_ids, batch, seqs)
 
 
 def _sequences_of(position_ids: torch.Tensor, batch: int):
-    with _recent_lock:
-        item = _RECENT.get(id(position_ids))
-    if item is not None and item[0]() is position_ids and item[1] == position_ids._version:
-        return item[2]
-    seqs = _varlen.packed_sequences(position_ids, batch) if position_ids.dim() == 2 else None
-    _remember(position_ids, seqs)
-    return seqs
+    return _varlen.sequences_of(position_ids, batch) if position_ids.dim() == 2 else None
 
 
 # ---- the functions transformers dispatches to ---------------------------------------------------------
@@ -236,13 +242,15 @@ def foak_attention_forward(module: nn.Module, query: torch.Tensor, key: torch.Te
         if position_ids is None and seqs is not None:  # the mask function built no mask for this batch
             raise RuntimeError(f"foak packed attention: {type(module).__name__} received no position_ids in a "
                                "packed batch; this architecture cannot use fast_packed_attention")
-        if position_ids is not None and position_ids is not current.position_ids and seqs is not None:
+        if isinstance(seqs, _AtRunTime):  # compiling: the op reads whichever ids this layer received
+            pass
+        elif position_ids is not None and position_ids is not current.position_ids and seqs is not None:
             seqs = _sequences_of(position_ids, query.shape[0])  # not the stack's own ids: read them
-        elif isinstance(position_ids, torch.Tensor):
-            _remember(position_ids, seqs)
-    elif isinstance(position_ids, torch.Tensor):
+        elif isinstance(position_ids, torch.Tensor) and not torch.compiler.is_compiling():
+            _remember(position_ids, query.shape[0], seqs)
+    elif isinstance(position_ids, torch.Tensor) and not torch.compiler.is_compiling():
         seqs = _sequences_of(position_ids, query.shape[0])
-    else:
+    else:  # compiling outside a patched stack's forward: the mask function built the previous mask
         seqs = None
     reason = _why_not_packed(module, query, key, attention_mask, args, kwargs, seqs)
     if reason is not None:
@@ -260,7 +268,11 @@ def foak_attention_forward(module: nn.Module, query: torch.Tensor, key: torch.Te
         q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
     backend = _varlen.resolve_backend(q, v)
     window = kwargs.get("sliding_window")
-    out = _varlen.varlen_attention(q, k, v, seqs, scale=kwargs.get("scaling"), window=window, backend=backend)
+    if isinstance(seqs, _AtRunTime):
+        out = _varlen.varlen_attention_by_positions(q, k, v, position_ids, scale=kwargs.get("scaling"), window=window,
+                                                    backend=backend)
+    else:
+        out = _varlen.varlen_attention(q, k, v, seqs, scale=kwargs.get("scaling"), window=window, backend=backend)
     entry.counts.count(backend)
     return out.reshape(B, S, Hq, value.shape[3]), None
 
@@ -362,12 +374,14 @@ def packed_attention_rule(arch: str, stack_class: type) -> Rule:
         def forward(self, *args, **kwargs):
             position_ids = read_ids(args, kwargs)
             seqs = None
-            if isinstance(position_ids, torch.Tensor) and read_mask(args, kwargs) is None and \
-                    position_ids.dim() == 2 and not torch.compiler.is_compiling():
+            if isinstance(position_ids, torch.Tensor) and read_mask(args, kwargs) is None and position_ids.dim() == 2:
                 source = read_input(args, kwargs)
                 source = read_embeds(args, kwargs) if source is None else source
                 batch = source.shape[0] if isinstance(source, torch.Tensor) else position_ids.shape[0]
-                seqs = _sequences_of(position_ids, batch)
+                if torch.compiler.is_compiling():  # packed or not is decided when the attention op runs
+                    seqs = _AtRunTime(batch, position_ids.shape[1])
+                else:
+                    seqs = _sequences_of(position_ids, batch)
             outer = _CURRENT.forward
             _CURRENT.forward = _Forward(self.config, self.__dict__[_ENTRY_ATTR], position_ids, seqs)
             try:

@@ -218,9 +218,15 @@ class GPTQLinear(nn.Module):
         address: FSDP2 frees the gathered storage after each forward and re-allocates it in place (the address
         may change, the storage and its tensors stay), which needs no rebuild."""
         tensors = [self._parameters[n] for n in ("qweight", "qzeros", SCALES_BITS, "g_idx")]
+        cache = self._weight_cache
+        if torch.compiler.is_compiling() and cache is not None and all(a is b for a, b in zip(cache[0], tensors)) \
+                and cache[1].device == tensors[0].device \
+                and cache[2][-3:] == [self._scales_dtype, self.compute_dtype, self.zero_offset]:
+            # storages and versions cannot be read while dynamo traces: the weight an eager call built over these
+            # same tensors on this device (building one here reads g_idx on the host: a graph break)
+            return cache[1]
         key = [(t.untyped_storage()._cdata, t.storage_offset(), t.shape, t.stride(), t.dtype, t.device, t._version)
                for t in tensors] + [self._scales_dtype, self.compute_dtype, self.zero_offset]
-        cache = self._weight_cache
         if cache is None or cache[2] != key or any(a is not b for a, b in zip(cache[0], tensors)):
             weight = GPTQWeight(self.qweight, self.qzeros, self.scales, self.g_idx, self.compute_dtype,
                                 zero_offset=self.zero_offset, bits=self.bits)
