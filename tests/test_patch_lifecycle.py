@@ -285,3 +285,19 @@ def test_patch_deepcopy_restore_both_leaves_the_originals():
     assert modeling_llama.apply_rotary_pos_emb is original
     for m in (model, clone):
         assert not any("forward" in vars(module) for module in m.modules())
+
+
+def test_packed_batch_with_attention_dropout_keeps_sequences_apart():
+    torch.manual_seed(0)
+    config = tiny_config("llama")
+    config.attention_dropout = 0.5
+    model = transformers.AutoModelForCausalLM.from_config(config).float()
+    report = foak.patch(model)
+    embeds = model.get_input_embeddings()
+    ids = torch.randint(3, 100, (1, 8))
+    inputs = embeds(ids).detach().requires_grad_()
+    out = model(inputs_embeds=inputs, position_ids=torch.tensor([[0, 1, 2, 3, 0, 1, 2, 3]]), use_cache=False).logits
+    out[0, 4:].square().sum().backward()  # the second sequence's outputs
+    assert inputs.grad[0, :4].abs().max() == 0  # nothing of the first sequence reaches them
+    assert "attention dropout" in report.result("llama.packed_attention").notes
+    foak.restore(model)

@@ -200,7 +200,7 @@ _warned_unpatched = [False]
 
 def _why_not_packed(module, query, key, attention_mask, args, kwargs, seqs) -> str | None:
     if seqs is None:
-        return "not a packed batch"
+        return "attention dropout" if kwargs.get("dropout") else "not a packed batch"
     if attention_mask is not None:
         return "a packed batch with an attention mask"
     if args:
@@ -253,6 +253,12 @@ def foak_attention_forward(module: nn.Module, query: torch.Tensor, key: torch.Te
     else:  # compiling outside a patched stack's forward: the mask function built the previous mask
         seqs = None
     reason = _why_not_packed(module, query, key, attention_mask, args, kwargs, seqs)
+    if reason is not None and seqs is not None and attention_mask is None:
+        # the mask function built no mask for this packed batch: the previous implementation would let its
+        # sequences attend to each other
+        raise RuntimeError(f"foak fast_packed_attention: a packed batch reached {type(module).__name__} with "
+                           f"{reason}, which foak's packed path does not compute and which needs transformers' "
+                           "block-causal mask; disable fast_packed_attention for this model")
     if reason is not None:
         out = _previous_function(module, entry.previous)(module, query, key, value, attention_mask, *args, **kwargs)
         entry.counts.count(None, reason)
@@ -374,7 +380,11 @@ def packed_attention_rule(arch: str, stack_class: type) -> Rule:
         def forward(self, *args, **kwargs):
             position_ids = read_ids(args, kwargs)
             seqs = None
-            if isinstance(position_ids, torch.Tensor) and read_mask(args, kwargs) is None and position_ids.dim() == 2:
+            # attention dropout in training: the packed path has none, so the batch keeps transformers' mask
+            # and the previous implementation (counted as "attention dropout")
+            dropout = self.training and float(getattr(self.config, "attention_dropout", 0.0) or 0.0) > 0
+            if isinstance(position_ids, torch.Tensor) and read_mask(args, kwargs) is None and position_ids.dim() == 2 \
+                    and not dropout:
                 source = read_input(args, kwargs)
                 source = read_embeds(args, kwargs) if source is None else source
                 batch = source.shape[0] if isinstance(source, torch.Tensor) else position_ids.shape[0]
