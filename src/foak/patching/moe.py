@@ -28,15 +28,20 @@ import torch
 from torch import nn
 
 from foak.ops.moe import moe_experts
-from foak.patching.rules import Rule, SharedAcrossCopies, Skip, Trigger, next_forward
+from foak.patching.rules import Rule, SharedAcrossCopies, Skip, Trigger, call_next
+
+_HF_MOE: list = []  # [the module or None], found once (at patch time: support() reads it per call, also traced)
+
 
 def _hf_moe():
     """transformers.integrations.moe, or None where the installed transformers has no experts interface."""
-    try:
-        from transformers.integrations import moe
-    except ImportError:
-        return None
-    return moe if hasattr(moe, "ALL_EXPERTS_FUNCTIONS") else None
+    if not _HF_MOE:
+        try:
+            from transformers.integrations import moe
+        except ImportError:
+            moe = None
+        _HF_MOE.append(moe if hasattr(moe, "ALL_EXPERTS_FUNCTIONS") else None)
+    return _HF_MOE[0]
 
 
 # ---- the activation, exactly ------------------------------------------------------------------------
@@ -188,7 +193,7 @@ def experts_rule_forward(rule_id: str, counts: _Counts):
     def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor):
         activation, reason = support(self)
         if reason is not None:
-            out = next_forward(self, rule_id)(hidden_states, top_k_index, top_k_weights)
+            out = call_next(self, rule_id, hidden_states, top_k_index, top_k_weights)
             counts.count(reason, _configured_implementation(self))
             return out
         out = moe_experts(hidden_states, top_k_index, top_k_weights, self.gate_up_proj, self.down_proj, activation)

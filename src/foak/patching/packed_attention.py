@@ -54,7 +54,7 @@ from torch import nn
 
 from foak.ops import varlen_attention as _varlen
 from foak.patching import globals as globals_
-from foak.patching.rules import Rule, SharedAcrossCopies, Skip, Trigger, next_forward
+from foak.patching.rules import Rule, SharedAcrossCopies, Skip, Trigger, call_next
 
 IMPLEMENTATION = "foak"  # the name registered in transformers' attention and attention-mask interfaces
 TAKEN_OVER = ("sdpa", "eager")  # the implementations that build the dense block-causal mask
@@ -395,7 +395,7 @@ def packed_attention_rule(arch: str, stack_class: type) -> Rule:
             outer = _CURRENT.forward
             _CURRENT.forward = _Forward(self.config, self.__dict__[_ENTRY_ATTR], position_ids, seqs)
             try:
-                return next_forward(self, rule_id)(*args, **kwargs)
+                return call_next(self, rule_id, *args, **kwargs)
             finally:
                 _CURRENT.forward = outer
 

@@ -28,7 +28,7 @@ from foak.ops.lora import lora_linear, lora_linears
 from foak.ops.lora_glu_linear import lora_glu_linear
 from foak.patching.lora_bases import format_of
 from foak.patching.replacements import _plain_linear
-from foak.patching.rules import Rule, SharedAcrossCopies, Trigger, forward_link, next_forward
+from foak.patching.rules import Rule, SharedAcrossCopies, Trigger, forward_link, call_next
 
 
 def _lora_layer_module():
@@ -248,18 +248,17 @@ def lora_attention_rule(arch: str, attention_class: type) -> Rule:
         counts = row.__dict__.setdefault("block_counts", {"blocks": 0, "unused": 0})  # one per row, all modules
 
         def forward(self, *args, **kwargs):
-            original_forward = next_forward(self, rule_id)
             projections = [getattr(self, name) for name in QKV]
             x = args[0] if args else kwargs.get("hidden_states")
             if torch.compiler.is_compiling() or not isinstance(x, torch.Tensor):
-                return original_forward(*args, **kwargs)
+                return call_next(self, rule_id, *args, **kwargs)
             specs = [fused_projection(m, x) for m in projections]
             if any(spec is None for spec in specs):
-                return original_forward(*args, **kwargs)
+                return call_next(self, rule_id, *args, **kwargs)
             for m, out in zip(projections, lora_linears(x, specs)):
                 _PREFETCHED[m] = (x, out)
             try:
-                return original_forward(*args, **kwargs)
+                return call_next(self, rule_id, *args, **kwargs)
             finally:
                 unused = sum(_PREFETCHED.pop(m, None) is not None for m in projections)
                 counts["blocks"] += 1
@@ -322,7 +321,7 @@ def lora_linear_rule(arch: str) -> Rule:
             reason = _fallback_reason(self, x, args, kwargs)
             counts.count(reason)
             if reason is not None:
-                return next_forward(self, rule_id)(x, *args, **kwargs)
+                return call_next(self, rule_id, x, *args, **kwargs)
             weight, bias, lora_A, lora_B, scaling, p, _ = _projection_spec(self, x)
             return lora_linear(x, weight, bias, lora_A, lora_B, scaling, dropout_p=p)
 
@@ -332,3 +331,10 @@ def lora_linear_rule(arch: str) -> Rule:
     module_class = layer.LoraLayer if layer is not None else nn.Linear
     trigger = Trigger(module_class, predicate=lambda m, model: _fusable_layer(m))
     return Rule(rule_id, "lora", trigger, patch, _peft_skip_reason, _describe)
+
+
+# the gated-MLP rule (foak.patching.replacements) asks these per call
+from foak.patching import replacements as _replacements  # noqa: E402
+
+if not _replacements.PEFT_MLP:
+    _replacements.PEFT_MLP.append((is_fused_lora_layer, lora_glu_mlp))

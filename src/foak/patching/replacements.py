@@ -23,7 +23,7 @@ from foak.ops.rms_norm import rms_norm
 from foak.ops.rope import rope
 from foak.patching.autocast import cast_first_argument, cast_for_projections
 from foak.patching import globals as globals_
-from foak.patching.rules import Rule, SharedAcrossCopies, Trigger, next_forward
+from foak.patching.rules import Rule, SharedAcrossCopies, Trigger, call_next
 
 # ---- RMSNorm ---------------------------------------------------------------------------------------
 
@@ -58,12 +58,11 @@ def rms_norm_recompute_rule(arch: str, stack_class: type) -> Rule:
         row, counts = state.result, {"forwards": 0, "aside": 0}
 
         def forward(self, *args, **kwargs):
-            original_forward = next_forward(self, rule_id)
             if torch.compiler.is_compiling():  # the compiler plans recomputation itself
-                return original_forward(*args, **kwargs)
+                return call_next(self, rule_id, *args, **kwargs)
             scope = recomputing_outputs()
             with scope:
-                out = original_forward(*args, **kwargs)
+                out = call_next(self, rule_id, *args, **kwargs)
             counts["forwards"] += 1
             if scope.stepped_aside is not None:
                 counts["aside"], counts["why"] = counts["aside"] + 1, scope.stepped_aside
@@ -94,14 +93,18 @@ def _plain_linear(module: nn.Module) -> bool:
             and not nn.modules.module._global_forward_pre_hooks)
 
 
+# (is_fused_lora_layer, lora_glu_mlp) of foak.patching.peft, which registers them here when it is imported
+# (it imports this module): read per call, without an import or a sys.modules lookup that tracing would see
+PEFT_MLP: list = []
+
+
 def _lora_glu_mlp(mlp: nn.Module):
     """foak.patching.peft.lora_glu_mlp when one of the MLP's projections is a LoRA layer that fused_lora
     patched (decided per call: LoRA layers may be added, and fused, after the MLP was patched), else None."""
-    if "foak.patching.peft" not in sys.modules:
+    if not PEFT_MLP:
         return None
-    from foak.patching.peft import is_fused_lora_layer, lora_glu_mlp
-
-    if any(is_fused_lora_layer(getattr(mlp, p)) for p in ("gate_proj", "up_proj", "down_proj")):
+    is_fused_lora_layer, lora_glu_mlp = PEFT_MLP[0]
+    if is_fused_lora_layer(mlp.gate_proj) or is_fused_lora_layer(mlp.up_proj) or is_fused_lora_layer(mlp.down_proj):
         return lora_glu_mlp
     return None
 
@@ -214,7 +217,7 @@ def rope_rule(arch: str, attention_class: type, function_name: str = "apply_rota
             previous = _ROPE_ACTIVE.on
             _ROPE_ACTIVE.on = True
             try:
-                return next_forward(self, rule_id)(*args, **kwargs)
+                return call_next(self, rule_id, *args, **kwargs)
             finally:
                 _ROPE_ACTIVE.on = previous
 
@@ -341,7 +344,7 @@ def fused_linear_loss_rule(arch: str, causal_lm_class: type, logits_divisor: str
 
         def lm_head_forward(self, hidden_states):
             if request.args is None:
-                return next_forward(self, rule_id)(hidden_states)
+                return call_next(self, rule_id, hidden_states)
             if request.loss is not None:
                 raise RuntimeError("foak fused_linear_loss: lm_head was called twice in one training forward")
             labels, shift_labels, ignore_index, num_items_in_batch = request.args
@@ -387,7 +390,6 @@ def fused_linear_loss_rule(arch: str, causal_lm_class: type, logits_divisor: str
         result, unlabelled = state.result, [0]
 
         def forward(self, *args, **kwargs):
-            original_forward = next_forward(self, rule_id)
             if kwargs.get("labels") is None or not torch.is_grad_enabled():
                 if torch.is_grad_enabled() and self.training and not torch.compiler.is_compiling():
                     # a training forward the rule cannot act on: the caller computes the loss from the logits
@@ -398,7 +400,7 @@ def fused_linear_loss_rule(arch: str, causal_lm_class: type, logits_divisor: str
                         "label smoothing)"))
                 self.loss_function = original_loss
                 try:
-                    return original_forward(*args, **kwargs)
+                    return call_next(self, rule_id, *args, **kwargs)
                 finally:
                     self.loss_function = loss_function
             previous = request.args, request.loss
@@ -406,7 +408,7 @@ def fused_linear_loss_rule(arch: str, causal_lm_class: type, logits_divisor: str
                             kwargs.get("num_items_in_batch"))
             request.loss = None
             try:
-                out = original_forward(*args, **kwargs)
+                out = call_next(self, rule_id, *args, **kwargs)
             finally:
                 request.args, request.loss = previous
             if isinstance(out, tuple):  # return_dict=False: (loss, logits, ...)
@@ -436,7 +438,7 @@ def loss_rule(arch: str, causal_lm_class: type) -> Rule:
         _set_loss_function(model_module, state, loss_function)
 
         def forward(self, *args, **kwargs):  # the forward itself is unchanged
-            return next_forward(self, rule_id)(*args, **kwargs)
+            return call_next(self, rule_id, *args, **kwargs)
 
         return forward
 

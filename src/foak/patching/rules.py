@@ -183,7 +183,15 @@ def next_forward(module: nn.Module, rule_id: str) -> Callable:
     """The forward that the forward rule ``rule_id`` installed on ``module`` wraps: the instance forward that was
     there before it (another rule's, another library's), else the class's forward, bound to ``module``."""
     previous = module.__dict__[_LINKS][rule_id][0]
-    return previous if previous is not None else type(module).forward.__get__(module)
+    return previous if previous is not None else types.MethodType(type(module).forward, module)
+
+
+def call_next(module: nn.Module, rule_id: str, *args, **kwargs):
+    """Call :func:`next_forward` (written out, so that torch.compile traces it on every torch foak supports)."""
+    previous = module.__dict__[_LINKS][rule_id][0]
+    if previous is not None:
+        return previous(*args, **kwargs)
+    return type(module).forward(module, *args, **kwargs)
 
 
 def forward_link(module: nn.Module, rule_id: str) -> bool:
@@ -211,13 +219,13 @@ def install_forward(module: nn.Module, rule_id: str, function: Callable, below: 
         return module.forward
     outer = [links[r] for r in links if r in below]  # (in the order installed: the first is the innermost)
     previous = outer[0][0] if outer else module.__dict__.get("forward")
-    signature = _signature_with_self(previous if previous is not None else type(module).forward.__get__(module))
+    signature = _signature_with_self(previous if previous is not None else types.MethodType(type(module).forward, module))
 
     def forward(self, *args, **kwargs):
         link = self.__dict__[_LINKS][rule_id]
         if link[1]:
             return link[3](self, *args, **kwargs)
-        return next_forward(self, rule_id)(*args, **kwargs)  # restored while another forward wrapped it
+        return call_next(self, rule_id, *args, **kwargs)  # restored while another forward wrapped it
 
     if signature is not None:
         forward.__signature__ = signature
