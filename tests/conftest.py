@@ -36,3 +36,14 @@ def assert_case(case, dtype):
     bad = {k: v for k, v in errors.items() if not v <= tol}
     assert not bad, f"{case.op} {case.name} {dtype}: errors over {tol}: {bad} (all: {errors})"
     return errors
+
+
+@pytest.fixture
+def reference_ops():
+    """foak's torch reference ops for one test (``foak.set_backend("reference")``, reset to "auto" after it):
+    for option matrices and patcher logic whose kernels other cases run in the interpreter."""
+    import foak
+
+    foak.set_backend("reference")
+    yield
+    foak.set_backend("auto")

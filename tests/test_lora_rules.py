@@ -57,14 +57,6 @@ def _restore_patched_models():
         foak.restore(_PATCHED.pop())
 
 
-@pytest.fixture
-def reference_ops():
-    """foak's torch reference ops for the test (the same patched forwards and op calls, no interpreter)."""
-    foak.set_backend("reference")
-    yield
-    foak.set_backend("auto")
-
-
 def batch(seq: int = 9) -> dict:
     g = torch.Generator().manual_seed(1)
     ids = torch.randint(3, 301, (2, seq), generator=g)
