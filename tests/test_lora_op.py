@@ -1,6 +1,7 @@
 """foak.ops.lora (plain base) against real PEFT lora.Linear modules (peft 0.21), in the Triton interpreter."""
 
 import copy
+import gc
 
 import pytest
 import torch
@@ -24,6 +25,15 @@ from foak.testing import relative_error
 def auto_backend():
     yield
     foak.set_backend("auto")
+
+
+@pytest.fixture(autouse=True)
+def _seed(request):
+    """conftest's _seed, with its full garbage collection (~0.2 s) only before the tests that trace (the
+    finalizers of other tests' patched models must not run inside a trace); the others patch no model."""
+    if request.node.originalname in ("test_torch_compile_fullgraph_with_dropout", "test_dropout_custom_ops_pass_opcheck"):
+        gc.collect()
+    torch.manual_seed(1234)
 
 
 class _Tiny(nn.Module):
@@ -209,20 +219,23 @@ def test_bf16_base_with_fp32_adapters_without_autocast(p):
 # the dropout mask -----------------------------------------------------------------------------------
 def test_mask_keep_fraction_and_kernel_equals_torch_philox():
     for p in (0.1, 0.5):
-        keep = lora_dropout_mask(11, (64, 257), p)
-        assert keep.dtype == torch.bool and keep.shape == (64, 257)
-        assert abs(keep.float().mean().item() - (1 - p)) < 0.02
-        # the kernel's bits are Philox-4x32-10 of the element position, as the torch reference computes them
-        assert torch.equal(keep, lora_dropout_mask_reference(torch.tensor([11]), 64, 257, p))
-    assert not torch.equal(lora_dropout_mask(11, (64, 257), 0.5), lora_dropout_mask(12, (64, 257), 0.5))
+        keep = lora_dropout_mask(11, (16, 257), p)  # the kernel (the interpreter's Philox: ~20 ms a row)
+        assert keep.dtype == torch.bool and keep.shape == (16, 257)
+        # the kernel's bits are Philox-4x32-10 of the element position, as the torch reference computes them;
+        # the reference's first 16 of 64 rows are the kernel's, and its 64 rows keep 1 - p of the elements
+        reference = lora_dropout_mask_reference(torch.tensor([11]), 64, 257, p)
+        assert torch.equal(keep, reference[:16])
+        assert abs(reference.float().mean().item() - (1 - p)) < 0.02
+        assert abs(keep.float().mean().item() - (1 - p)) < 0.04
+    assert not torch.equal(lora_dropout_mask(11, (16, 257), 0.5), lora_dropout_mask(12, (16, 257), 0.5))
     # a seed above 2**32 uses the high key word
     assert not torch.equal(lora_dropout_mask(11, (8, 64), 0.5), lora_dropout_mask(11 + 2**32, (8, 64), 0.5))
     assert lora_dropout_mask(3, (4, 5), 0.0).all()
 
 
 def test_mask_does_not_depend_on_the_block_size(monkeypatch):
-    keep = lora_dropout_mask(21, (5, 1037), 0.3)
-    monkeypatch.setitem(lora_mod.TUNING, "quads", 4)
+    keep = lora_dropout_mask(21, (5, 1037), 0.3)  # 260 quads a row: blocks of 256 + 4 (a partial quad at its end)
+    monkeypatch.setitem(lora_mod.TUNING, "quads", 128)  # 128 + 128 + 4 (quads=4 took 65 programs a row)
     assert torch.equal(keep, lora_dropout_mask(21, (5, 1037), 0.3))
     # leading dims flatten into rows
     assert torch.equal(lora_dropout_mask(21, (5, 1, 1037), 0.3).view(5, 1037), keep)
@@ -383,7 +396,7 @@ def test_lora_linears_match_peft_q_k_v(dropouts):
 
 def test_lora_linears_masks_are_independent():
     in_f = 40
-    x = torch.randn(30, in_f)
+    x = torch.randn(8, in_f)
     weight = torch.zeros(in_f, in_f)
     eye = torch.eye(in_f)
     # A = I, B = I, zero base: out_i = dropout_i(x) exactly

@@ -3,8 +3,8 @@ several sequences, position_ids restarting, no attention_mask) attends per seque
 attention and equals every sequence run alone through the unpatched model (loss and every gradient, fp32
 within 1e-5) for Llama, Mistral with a window shorter than its sequences, Qwen3 and Mixtral, with and without
 gradient checkpointing; tokens of one sequence never reach another (forward or backward); unpacked batches
-are bit-identical to the unpatched model; the report counts both kinds of calls; restore; foak train
---packing and TRL's padding-free packing run it. Op level: the per-sequence SDPA backend against explicit
+are bit-identical to the unpatched model; the report counts both kinds of calls; restore; TRL's padding-free
+packing runs it (foak train --packing: tests/test_train.py). Op level: the per-sequence SDPA backend against explicit
 fp64 math, and the sequence boundaries against transformers' find_packed_sequence_indices.
 
 On the CPU the packed path is the per-sequence SDPA backend (torch has no FlexAttention backward and no
@@ -300,21 +300,7 @@ def test_default_config_has_it_and_a_deepcopy_gets_its_own_patch():
     assert calls == {"sdpa": 2}  # the clone's calls are counted in its own report
 
 
-# ---- foak train --packing and TRL's padding-free packing ---------------------------------------------------
-
-
-def test_foak_train_packing_runs_the_packed_attention(tmp_path):
-    from foak.train import train
-
-    yaml = tmp_path / "foak.yaml"
-    yaml.write_text("training:\n  fused_ops_and_kernels:\n    fast_packed_attention: true\n")
-    summary = train(["--max_steps", "2", "--per_device_train_batch_size", "3", "--max_seq_length", "24",
-                     "--logging_steps", "1", "--packing", "--acceleration_config", str(yaml),
-                     "--output_dir", str(tmp_path / "out")])
-    # 2 steps x 2 layers, each batch 3 sequences in one row
-    assert "foak varlen attention ran 4 calls (sdpa 4)" in summary["patch_report"]
-    assert "previous implementation" not in summary["patch_report"]
-    assert torch.isfinite(torch.tensor(summary["final_loss"]))
+# ---- TRL's padding-free packing (foak train --packing: tests/test_train.py) ------------------------------------
 
 
 def test_trl_padding_free_packing_runs_the_packed_attention_and_matches_trl(tmp_path):

@@ -3,6 +3,13 @@
 Every model is fp32, 2 layers, hidden 64, 4 heads / 2 kv heads, vocab 301; the comparisons are against a
 deepcopy taken before patching (same weights, HF's own forward), to 1e-5 relative for the loss and every
 parameter gradient.
+
+The kernels run in the Triton interpreter inside every architecture in section 1 (fused_linear_loss: every
+kernel, padded and packed batches). The other model-level sections check what the patcher does (the fast_loss
+rule keeps the logits, restore, num_items_in_batch, logits when wanted, a patched model beside an unpatched
+one); the replacement forwards and the op calls are the same on either backend, so they run foak's torch
+reference ops (``foak.set_backend("reference")``) except for the architectures in ``KERNEL_ARCHS``, which keep
+the kernels (the interpreter costs ~1-3 s per model step).
 """
 
 from __future__ import annotations
@@ -83,6 +90,14 @@ def all_switches(loss_rule: str = "fused_linear_loss") -> dict[str, bool]:
 
 
 _PATCHED: list[nn.Module] = []
+# architectures whose model-level tests beyond section 1 keep the Triton kernels: a dense one and the MoE one
+# with Granite's logits scaling and multipliers
+KERNEL_ARCHS = ("llama", "granitemoe")
+
+
+def ops_for(arch: str) -> None:
+    """The kernels for ``arch`` in KERNEL_ARCHS, foak's reference ops otherwise (until the test ends)."""
+    foak.set_backend("auto" if arch in KERNEL_ARCHS else "reference")
 
 
 def patch(model: nn.Module, **switches):
@@ -94,6 +109,7 @@ def patch(model: nn.Module, **switches):
 @pytest.fixture(autouse=True)
 def _restore_patched_models():
     yield
+    foak.set_backend("auto")
     while _PATCHED:
         foak.restore(_PATCHED.pop())
 
@@ -182,6 +198,7 @@ def test_patched_matches_unpatched_fused_linear_loss(arch):
 
 @pytest.mark.parametrize("arch", ARCHS)
 def test_patched_matches_unpatched_fast_loss(arch):
+    ops_for(arch)
     model = build(arch)
     ref = copy.deepcopy(model)
     report = patch(model, **all_switches("loss"))
@@ -292,6 +309,7 @@ def test_state_dict_unchanged_and_save_load_round_trip(arch, tmp_path):
 
 @pytest.mark.parametrize("arch", ARCHS)
 def test_restore_and_double_apply(arch):
+    ops_for(arch)
     model = build(arch)
     ref = copy.deepcopy(model)
     modeling = modeling_module(model)
@@ -354,6 +372,7 @@ def kernel_calls(monkeypatch):
 
 @pytest.mark.parametrize("arch", ARCHS)
 def test_patched_and_unpatched_side_by_side(arch, kernel_calls):
+    ops_for(arch)
     patched_model = build(arch)
     plain = copy.deepcopy(patched_model)
     batch = padded_batch(seq=7)
@@ -418,6 +437,7 @@ def test_model_without_config():
 
 @pytest.mark.parametrize("arch", ARCHS)
 def test_fused_linear_loss_logits_when_wanted(arch):
+    ops_for(arch)
     model = build(arch)
     ref = copy.deepcopy(model)
     patch(model, **all_switches("fused_linear_loss"))
@@ -447,6 +467,7 @@ def test_fused_linear_loss_logits_when_wanted(arch):
 @pytest.mark.parametrize("loss_rule", LOSS_RULES)
 @pytest.mark.parametrize("arch", ARCHS)
 def test_num_items_in_batch(arch, loss_rule):
+    ops_for(arch)
     model = build(arch)
     ref = copy.deepcopy(model)
     patch(model, **all_switches(loss_rule))

@@ -119,11 +119,17 @@ def _reference(tmp_path, calls, *args, **kwargs):
     return ref
 
 
-@pytest.mark.parametrize(("patch", "packing", "checkpointing", "compact", "kernels"), [
-    ("foak.patch", False, True, False, NO_ROPE), ("callback", False, True, True, NO_ROPE),
-    ("foak.patch", True, True, True, ALL_KERNELS), ("callback", True, False, False, NO_ROPE)])
-def test_sft_trainer_step_runs_foaks_loss_and_matches_the_unpatched_model(tmp_path, calls, monkeypatch, patch,
-                                                                          packing, checkpointing, compact, kernels):
+# every switch through the kernels (Triton interpreter) once, with packing, checkpointing and TRL's compact
+# scoring; the other ways in (callback, no packing, no checkpointing) run the same patched forwards and op calls on
+# foak's torch reference ops (the interpreter costs ~1 s per kernel and step here)
+@pytest.mark.parametrize(("patch", "packing", "checkpointing", "compact", "kernels", "ops"), [
+    ("foak.patch", False, True, False, NO_ROPE, "reference"), ("callback", False, True, True, NO_ROPE, "reference"),
+    ("foak.patch", True, True, True, ALL_KERNELS, "kernels"), ("callback", True, False, False, NO_ROPE, "reference")])
+def test_sft_trainer_step_runs_foaks_loss_and_matches_the_unpatched_model(tmp_path, calls, monkeypatch, request,
+                                                                          patch, packing, checkpointing, compact,
+                                                                          kernels, ops):
+    if ops == "reference":
+        request.getfixturevalue("reference_ops")
     if compact:  # what TRL does on CUDA: only the positions with a label are scored (CPU: every position)
         monkeypatch.setattr(trl_utils, "_use_triton", lambda device: True)
     run = _sft_step(tmp_path / "foak", patch, packing, checkpointing, kernels)
