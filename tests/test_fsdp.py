@@ -116,19 +116,9 @@ def _make(kind):
 
 
 def _quantize_nf4(model):
-    import bitsandbytes as bnb
-    from torch import nn
+    from foak.bench.step import quantize_nf4
 
-    for parent in list(model.model.modules()):
-        for name, child in list(parent.named_children()):
-            if type(child) is nn.Linear:
-                q = bnb.nn.Linear4bit(child.in_features, child.out_features, bias=False, compute_dtype=torch.float32,
-                                      quant_type="nf4", compress_statistics=True, device="meta")
-                q.weight = bnb.nn.Params4bit(child.weight.data, requires_grad=False, quant_type="nf4",
-                                             compress_statistics=True)
-                setattr(parent, name, q.to("cpu"))
-    model.is_loaded_in_4bit = True
-    return model
+    return quantize_nf4(model, "cpu", torch.float32)
 
 
 def _batches(vocab, world, rows, steps):

@@ -274,22 +274,12 @@ def test_fake_op():
 # what foak.patch says about bitsandbytes' CPU dequantization ----------------------------------------------------
 def _tiny_qlora():
     """The tiny Llama (rows of 64, down_proj's of 96) with bitsandbytes NF4 bases under PEFT LoRA, on CPU."""
-    import bitsandbytes as bnb
     import peft
-    from torch import nn
 
+    from foak.bench.step import quantize_nf4
     from foak.models.tiny import tiny_model
 
-    model = tiny_model("llama", seed=1)
-    for parent in list(model.model.modules()):
-        for name, child in list(parent.named_children()):
-            if type(child) is nn.Linear:
-                q = bnb.nn.Linear4bit(child.in_features, child.out_features, bias=False, compute_dtype=torch.float32,
-                                      quant_type="nf4", compress_statistics=True, device="meta")
-                q.weight = bnb.nn.Params4bit(child.weight.data, requires_grad=False, quant_type="nf4",
-                                             compress_statistics=True)
-                setattr(parent, name, q.to("cpu"))
-    model.is_loaded_in_4bit = True  # (what from_pretrained with a BitsAndBytesConfig sets: PEFT wraps in lora.bnb)
+    model = quantize_nf4(tiny_model("llama", seed=1), "cpu", torch.float32)
     targets = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
     return peft.get_peft_model(model, peft.LoraConfig(r=4, lora_alpha=8, target_modules=targets))
 

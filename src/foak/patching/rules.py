@@ -61,7 +61,7 @@ class Rule:
     foak.config: rms_norm, rope, swiglu, loss, fused_linear_loss, lora, moe, packed_attention).
     ``patch(module, model, state)`` returns the new forward of ``module`` as a function
     ``forward(self, *args, **kwargs)`` that reads the module as ``self`` (installed bound to the module, so a copy
-    of the module computes with its own parameters; :func:`next_forward` gives what it wraps), or :class:`Skip`
+    of the module computes with its own parameters; :func:`call_next` calls what it wraps), or :class:`Skip`
     to leave this module alone (with the reason). ``skip_reason(model)`` may explain why the rule does not apply to
     this model (reported, never silent). ``state.result`` is the rule's report row while ``patch`` runs: a
     replacement that keeps it can report what happens at call time with ``note_runtime``.
@@ -179,15 +179,10 @@ def _signature_with_self(forward: Callable) -> inspect.Signature | None:
     return signature.replace(parameters=[self_parameter, *signature.parameters.values()])
 
 
-def next_forward(module: nn.Module, rule_id: str) -> Callable:
-    """The forward that the forward rule ``rule_id`` installed on ``module`` wraps: the instance forward that was
-    there before it (another rule's, another library's), else the class's forward, bound to ``module``."""
-    previous = module.__dict__[_LINKS][rule_id][0]
-    return previous if previous is not None else types.MethodType(type(module).forward, module)
-
-
 def call_next(module: nn.Module, rule_id: str, *args, **kwargs):
-    """Call :func:`next_forward` (written out, so that torch.compile traces it on every torch foak supports)."""
+    """Call the forward that the forward rule ``rule_id`` installed on ``module`` wraps: the instance forward that
+    was there before it (another rule's, another library's), else the class's forward (called directly, which
+    torch.compile traces on every torch foak supports)."""
     previous = module.__dict__[_LINKS][rule_id][0]
     if previous is not None:
         return previous(*args, **kwargs)
@@ -204,7 +199,7 @@ def install_forward(module: nn.Module, rule_id: str, function: Callable, below: 
     """Install ``function(self, *args, **kwargs)`` as ``module.forward``, bound to the module
     (types.MethodType): a deep copy of the module (PEFT's ``modules_to_save``, an EMA copy) gets it bound to
     the copy, computing with the copy's parameters. What ``module.forward`` was before is kept on the module
-    (:func:`next_forward`); the bound forward declares its signature (HF Trainer reads it). Returns the bound
+    (:func:`call_next`); the bound forward declares its signature (HF Trainer reads it). Returns the bound
     forward. ``function`` must not hold the module itself (a copy would compute with the original).
     ``below``: ids of foak rules whose forwards on this module must stay outside this one (a rule added to a
     patched model later, e.g. the LoRA q/k/v block inside the RoPE rule's cast): it is put under the innermost
@@ -283,9 +278,6 @@ class PatchState:
 
     def on_restore(self, fn: Callable[[], None]) -> None:
         self.undo.append(fn)
-
-
-_MISSING = object()
 
 
 def apply(model: nn.Module, rules: list[Rule], model_type: str = "", _report: PatchReport | None = None,
