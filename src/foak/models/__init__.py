@@ -19,6 +19,16 @@ ARCHITECTURES = {
     "qwen2": "foak.models.qwen2",
     "qwen3": "foak.models.qwen3",
     "qwen3_moe": "foak.models.qwen3_moe",
+    # ---- dense decoders (phi3, glm4, olmo2, olmo3, smollm3, ministral) ----
+
+    # ---- Gemma family and multimodal text towers (gemma*, mistral3) ----
+
+    # ---- MoE (qwen2_moe, glm4_moe, deepseek_v3, llama4, granitemoeshared) ----
+
+    # ---- gpt-oss ----
+
+    # ---- Qwen3.5 hybrids ----
+
 }
 
 

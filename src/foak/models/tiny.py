@@ -22,6 +22,16 @@ TINY_CONFIGS = {
     "qwen2": ("Qwen2Config", {}),
     "qwen3": ("Qwen3Config", {"head_dim": 16}),
     "qwen3_moe": ("Qwen3MoeConfig", {**_MOE, "moe_intermediate_size": 48, "mlp_only_layers": [0], "head_dim": 16}),
+    # ---- dense decoders ----
+
+    # ---- Gemma family and multimodal text towers ----
+
+    # ---- MoE ----
+
+    # ---- gpt-oss ----
+
+    # ---- Qwen3.5 hybrids ----
+
 }
 
 

@@ -1,0 +1,234 @@
+"""The architecture matrix: every model type foak serves beyond the nine of tests/test_patching.py.
+
+For each type: a tiny randomly initialised model built from transformers' own config class (2 layers, small
+dims, MoE with >= 3 experts, a sliding window shorter than the batches where the architecture has one),
+patched with foak's defaults vs an unpatched deepcopy: loss and every parameter gradient within 1e-5 (fp32)
+on a left-padded batch, an unpadded batch and a packed batch; the same with PEFT LoRA on every linear layer;
+the report's rows (rule id -> modules) as the table below expects them, a reason on every row that patched
+nothing, and foak's ops counted while the patched model runs.
+
+The matrix runs foak's torch reference ops (``foak.set_backend("reference")``): the replacement forwards and
+the op calls are the same on either backend, and every kernel branch has its interpreter tests beside its op.
+An entry with ``kernels=True`` runs the Triton kernels (in the interpreter here) for the architectures whose
+kernel variants appear nowhere else in a model.
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass, field
+
+import pytest
+import torch
+import transformers
+from torch import nn
+
+import foak
+from foak.patching import moe as moe_patching
+from foak.patching import replacements
+from foak.testing import relative_error
+
+TOL = 1e-5
+VOCAB = 301
+WINDOW = 4  # sliding window of the architectures that have one: shorter than every batch below
+
+COMMON = {"vocab_size": VOCAB, "hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 2,
+          "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 64,
+          "bos_token_id": 0, "eos_token_id": 1, "pad_token_id": 2}
+MOE = {"num_experts_per_tok": 2, "output_router_logits": True, "router_aux_loss_coef": 0.1}
+
+
+@dataclass
+class Spec:
+    config: str  # transformers' config class
+    model: str  # the class a user loads (AutoModelForCausalLM's, or the multimodal ...ForConditionalGeneration)
+    kwargs: dict
+    # rule id without the "<model_type>." prefix -> modules the report says it patched (0: a row that says why)
+    rows: dict
+    kernels: bool = False  # run the Triton kernels instead of foak's reference ops
+    batches: tuple = ("padded", "unpadded", "packed")
+    lora: bool = True  # also compare with PEFT LoRA on every linear layer
+    extra: dict = field(default_factory=dict)  # notes for a reader; not used by the tests
+
+
+SPECS: dict[str, Spec] = {
+    # ---- dense decoders (phi3, glm4, olmo2, olmo3, smollm3, ministral) ----
+
+    # ---- Gemma family and multimodal text towers (gemma*, mistral3) ----
+
+    # ---- MoE (qwen2_moe, glm4_moe, deepseek_v3, llama4, granitemoeshared) ----
+
+    # ---- gpt-oss ----
+
+    # ---- Qwen3.5 hybrids ----
+
+}
+ARCHS = list(SPECS)
+
+
+def build(arch: str, seed: int = 0) -> nn.Module:
+    spec = SPECS[arch]
+    config = getattr(transformers, spec.config)(**spec.kwargs)
+    torch.manual_seed(seed)
+    model = getattr(transformers, spec.model)(config).float()
+    assert model.config.model_type == arch, (model.config.model_type, arch)
+    return model
+
+
+_PATCHED: list[nn.Module] = []
+
+
+@pytest.fixture(autouse=True)
+def _restore_patched_models():
+    yield
+    foak.set_backend("auto")
+    while _PATCHED:
+        foak.restore(_PATCHED.pop())
+
+
+def patch(model: nn.Module, arch: str, **switches):
+    foak.set_backend("auto" if SPECS[arch].kernels else "reference")
+    _PATCHED.append(model)
+    return foak.patch(model, **switches)
+
+
+# ---- inputs ---------------------------------------------------------------------------------------------
+
+
+def batch_of(kind: str) -> dict:
+    g = torch.Generator().manual_seed(1)
+    if kind == "padded":  # left padding (row 0: 1 pad, row 1: 4 pads), labels -100 at the pads
+        ids = torch.randint(3, VOCAB, (2, 11), generator=g)
+        mask = torch.ones_like(ids)
+        mask[0, :1] = 0
+        mask[1, :4] = 0
+        ids = ids.masked_fill(mask == 0, 2)
+        return {"input_ids": ids, "attention_mask": mask, "labels": ids.masked_fill(mask == 0, -100)}
+    if kind == "unpadded":  # no attention mask at all: what a packed-to-length SFT batch looks like
+        ids = torch.randint(3, VOCAB, (2, 10), generator=g)
+        return {"input_ids": ids, "labels": ids.clone()}
+    if kind == "packed":  # padding-free packing: position ids restart per sequence, no attention mask
+        lengths = (5, 9, 3)
+        ids = torch.randint(3, VOCAB, (1, sum(lengths)), generator=g)
+        pos = torch.cat([torch.arange(n) for n in lengths])[None]
+        return {"input_ids": ids, "position_ids": pos, "labels": ids.masked_fill(pos == 0, -100),
+                "use_cache": False}
+    raise AssertionError(kind)
+
+
+# ---- comparisons ----------------------------------------------------------------------------------------
+
+
+def loss_and_grads(model: nn.Module, batch: dict):
+    model.zero_grad(set_to_none=True)
+    out = model(**batch)
+    out.loss.backward()
+    return out, {n: p.grad for n, p in model.named_parameters()}
+
+
+def assert_close(out: torch.Tensor, ref: torch.Tensor, what: str, tol: float = TOL):
+    err = relative_error(out, ref)
+    assert err <= tol, f"{what}: relative error {err:.3g} > {tol} ({out.flatten()[:4]} vs {ref.flatten()[:4]})"
+
+
+def assert_grads_close(grads: dict, ref_grads: dict, what: str):
+    assert grads.keys() == ref_grads.keys()
+    compared = 0
+    for name, g in grads.items():
+        r = ref_grads[name]
+        if g is None and r is None:
+            continue
+        assert g is not None and r is not None, f"{what}: grad of {name} is None on one side only"
+        assert_close(g, r, f"{what}: grad of {name}")
+        compared += 1
+    assert compared > 0
+
+
+_OPS = ("rms_norm", "rope", "glu", "glu_linear", "linear_cross_entropy", "cross_entropy")
+
+
+@pytest.fixture
+def op_calls(monkeypatch):
+    """Counts the calls of foak's ops made by the replacement forwards (they look the ops up at call time)."""
+    calls = dict.fromkeys((*_OPS, "moe_experts"), 0)
+
+    def counting(module, name):
+        fn = getattr(module, name)
+
+        def counted(*args, **kwargs):
+            calls[name] += 1
+            return fn(*args, **kwargs)
+
+        monkeypatch.setattr(module, name, counted)
+
+    for name in _OPS:
+        counting(replacements, name)
+    counting(moe_patching, "moe_experts")
+    return calls
+
+
+def rows_of(report, arch: str) -> dict[str, int]:
+    prefix = f"{arch}."
+    assert all(r.rule_id.startswith(prefix) for r in report.results), str(report)
+    return {r.rule_id[len(prefix):]: r.modules for r in report.results}
+
+
+# ---- the matrix ---------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_patched_matches_unpatched(arch, op_calls):
+    model = build(arch)
+    ref = copy.deepcopy(model)
+    report = patch(model, arch)
+    for kind in SPECS[arch].batches:
+        batch = batch_of(kind)
+        out, grads = loss_and_grads(model, batch)
+        ref_out, ref_grads = loss_and_grads(ref, batch)
+        if "fused_linear_loss" in SPECS[arch].rows and SPECS[arch].rows["fused_linear_loss"]:
+            assert out.logits is None  # training with labels: the logits are never materialised
+        if getattr(ref_out, "aux_loss", None) is not None:  # the router's aux loss is part of the loss
+            assert_close(out.aux_loss, ref_out.aux_loss, f"{arch} {kind} aux loss")
+        assert_close(out.loss, ref_out.loss, f"{arch} {kind} loss")
+        assert_grads_close(grads, ref_grads, f"{arch} {kind}")
+    rows = SPECS[arch].rows
+    # every kind of op the report says it installed ran
+    expected_ops = {"rms_norm": rows.get("rms_norm", 0) > 0, "rope": rows.get("rope", 0) > 0,
+                    "linear_cross_entropy": rows.get("fused_linear_loss", 0) > 0,
+                    "moe_experts": rows.get("moe", 0) > 0}
+    for op, ran in expected_ops.items():
+        assert (op_calls[op] > 0) == ran, (op, op_calls, str(report))
+    if rows.get("swiglu", 0):
+        assert op_calls["glu_linear"] + op_calls["glu"] > 0, (op_calls, str(report))
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_report_rows(arch):
+    model = build(arch)
+    report = patch(model, arch)
+    assert report.model_type == arch
+    assert rows_of(report, arch) == SPECS[arch].rows, str(report)
+    for r in report.results:
+        if r.modules:
+            assert r.backend != "-", str(report)
+        else:  # reported, never silent
+            assert r.backend == "-" and r.note, f"{r.rule_id} patched nothing without saying why\n{report}"
+
+
+@pytest.mark.parametrize("arch", [a for a in ARCHS if SPECS[a].lora])
+def test_lora_patched_matches_peft(arch):
+    peft = pytest.importorskip("peft")
+    model = build(arch)
+    config = peft.LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules="all-linear",
+                             init_lora_weights=False)
+    model = peft.get_peft_model(model, config)
+    ref = copy.deepcopy(model)
+    report = patch(model, arch)
+    fused = [r for r in report.results if r.switch == "lora" and r.modules]
+    assert fused, f"no LoRA layer was fused\n{report}"
+    for kind in ("padded", "packed"):
+        batch = batch_of(kind)
+        out, grads = loss_and_grads(model, batch)
+        ref_out, ref_grads = loss_and_grads(ref, batch)
+        assert_close(out.loss, ref_out.loss, f"{arch} LoRA {kind} loss")
+        assert_grads_close(grads, ref_grads, f"{arch} LoRA {kind}")
