@@ -9,6 +9,8 @@ import math
 from pathlib import Path
 
 import pytest
+import torch
+import transformers
 import yaml
 
 from foak.bench.report import compare, read_csv
@@ -299,3 +301,21 @@ def test_nvidia_smi_readers(tmp_path, monkeypatch):
         __import__("time").sleep(0.5)
     assert sampler.peak_used_mib == 1500 and sampler.mean_utilization == 40
     assert sampler._proc.poll() is not None  # the sampling process is gone
+
+
+def test_every_builtin_model_is_an_architecture_foak_serves():
+    """The built-in benchmark shapes build (on the meta device: no memory) as the architecture foak has rules
+    for, and the architecture scenario runs each of them with HF, Liger and foak."""
+    from foak.bench.models import BUILTIN_MODELS
+    from foak.models import ARCHITECTURES
+
+    for name, builtin in BUILTIN_MODELS.items():
+        config = builtin.config()
+        assert config.model_type in ARCHITECTURES, (name, config.model_type)
+        with torch.device("meta"):
+            model = transformers.AutoModelForCausalLM.from_config(config)
+        assert model.config.model_type == config.model_type
+    ids = [e["experiment"] for e in expand(load_scenario("archs"))]
+    models = {i.split("/")[0] for i in ids}
+    assert models == {"mistral7b-8l-swa", "gemma3-1b", "phi3-mini-8l", "gptoss-8l", "qwen35-8l"}
+    assert len(ids) == 3 * len(models)

@@ -261,3 +261,21 @@ def test_qlora_nf4_with_kernels_saves_an_adapter(tmp_path):
                      "--output_dir", str(tmp_path / "out")])
     assert summary["steps"] == 2 and torch.isfinite(torch.tensor(summary["final_loss"]))
     assert (tmp_path / "out" / "adapter_config.json").exists()
+
+
+def test_arch_picks_the_embedded_model_and_bad_arch_is_one_line(tmp_path):
+    with pytest.raises(ValueError, match="no embedded tiny model of that type; choose one of .*qwen3_moe"):
+        train(["--arch", "nope", "--output_dir", str(tmp_path)])
+    with pytest.raises(ValueError, match="with --model the model's own config decides it: drop --arch"):
+        train(["--arch", "qwen3", "--model", str(tmp_path), "--output_dir", str(tmp_path)])
+
+
+@pytest.mark.parametrize("arch", sorted(__import__("foak.models.tiny", fromlist=["TINY_CONFIGS"]).TINY_CONFIGS))
+def test_embedded_default_of_every_architecture_trains(arch, tmp_path, reference_ops):
+    """``foak train --arch T``: the tiny model of each type foak serves trains patched (foak's reference ops:
+    the kernels have their own tests) and its report names the type's rules."""
+    summary = train([*SMALL, "--max_steps", "2", "--arch", arch, "--output_dir", str(tmp_path),
+                     "--save_strategy", "no"])
+    assert summary["steps"] == 2 and all(map(lambda x: x == x, (summary["first_loss"], summary["final_loss"])))
+    assert f"{arch}.fused_linear_loss" in summary["patch_report"] or f"{arch}.loss" in summary["patch_report"]
+    assert type(summary["model"]).__name__ == type(tiny_model(arch)).__name__

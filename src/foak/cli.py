@@ -60,6 +60,9 @@ def _cmd_info(args) -> int:
     print(f"backend     {get_backend()} -> ops on {device} run on: {describe(device)}")
     if describe(device) == "reference":
         print("            (Triton kernels need a CUDA GPU, or TRITON_INTERPRET=1 to run them slowly on CPU)")
+    from foak.models import ARCHITECTURES
+
+    print(f"models      {len(ARCHITECTURES)} model types: {', '.join(sorted(ARCHITECTURES))}")
     return 0
 
 

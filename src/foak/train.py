@@ -88,6 +88,9 @@ class FoakArguments:
     model: str | None = field(default=None, metadata={
         "help": "local directory or hub id (org/name) of an HF causal LM, or a GPTQ 4-bit checkpoint directory "
                 "(with --peft lora); default: the embedded tiny Llama"})
+    arch: str | None = field(default=None, metadata={
+        "help": "model_type of the embedded tiny model (default llama; `foak info` lists every architecture foak "
+                "serves); only without --model"})
     dataset: str | None = field(default=None, metadata={
         "help": "JSONL file, one {'text': ...} or {'prompt': ..., 'response': ...} per line (a pair trains on "
                 "the response only); default: a generated corpus"})
@@ -163,6 +166,15 @@ def parse_arguments(argv: list[str]):
         raise ValueError(f"--peft must be none, lora or qlora-nf4, got {foak_args.peft!r}")
     if foak_args.torch_dtype is not None and foak_args.torch_dtype not in DTYPE_CHOICES:
         raise ValueError(f"--torch_dtype must be one of {', '.join(DTYPE_CHOICES)}, got {foak_args.torch_dtype!r}")
+    if foak_args.arch is not None:
+        if foak_args.model is not None:
+            raise ValueError("--arch picks the embedded tiny model's architecture; with --model the model's own "
+                             "config decides it: drop --arch")
+        from foak.models.tiny import TINY_CONFIGS
+
+        if foak_args.arch not in TINY_CONFIGS:
+            raise ValueError(f"--arch {foak_args.arch!r}: no embedded tiny model of that type; choose one of "
+                             f"{', '.join(sorted(TINY_CONFIGS))}")
     if foak_args.acceleration_config is not None and foak_args.acceleration_config.lower() == "none":
         foak_args.acceleration_config = "none"
     resolve_gradient_checkpointing(argv, foak_args, training_args)
@@ -393,14 +405,17 @@ def load_model_and_tokenizer(foak_args, training_args, source=None):
         from foak.models.tiny import tiny_config
 
         tokenizer = char_tokenizer()
-        config = tiny_config("llama")
-        config.vocab_size = len(tokenizer)
-        config.max_position_embeddings = max(foak_args.max_seq_length, 64)
-        config.pad_token_id, config.bos_token_id, config.eos_token_id = (
-            tokenizer.pad_token_id, tokenizer.bos_token_id, tokenizer.eos_token_id)
+        arch = foak_args.arch or "llama"
+        config = tiny_config(arch)
+        for part in {id(c): c for c in (config, config.get_text_config())}.values():  # multimodal: its text model
+            part.vocab_size = len(tokenizer)
+            part.max_position_embeddings = max(foak_args.max_seq_length, 64)
+            part.pad_token_id, part.bos_token_id, part.eos_token_id = (
+                tokenizer.pad_token_id, tokenizer.bos_token_id, tokenizer.eos_token_id)
         torch.manual_seed(training_args.seed)
         model = transformers.AutoModelForCausalLM.from_config(config)
-        name = "tiny Llama (2 layers, hidden 64, built from a config)"
+        label = "Llama" if arch == "llama" else arch
+        name = f"tiny {label} (2 layers, hidden 64, built from a config)"
         if foak_args.peft == "qlora-nf4":
             # from_config does not quantize: the tiny model is saved to a temporary directory and loaded back
             # through from_pretrained with the BitsAndBytesConfig, as a --model of the user's would be
@@ -411,7 +426,7 @@ def load_model_and_tokenizer(foak_args, training_args, source=None):
                 model.save_pretrained(tmp)
                 model = transformers.AutoModelForCausalLM.from_pretrained(tmp, **kwargs)
             model.name_or_path = model.config.name_or_path = ""  # as from_config: the temporary directory is gone
-            name = "tiny Llama (2 layers, hidden 64, built from a config, NF4-quantized by bitsandbytes)"
+            name = f"tiny {label} (2 layers, hidden 64, built from a config, NF4-quantized by bitsandbytes)"
         else:
             model = model.to(weights_dtype(foak_args, training_args))
         return model, tokenizer, name
@@ -647,7 +662,7 @@ def _peak_memory_gib() -> tuple[float, str]:
 
 
 def _run_title(foak_args, training_args, source, config) -> str:
-    model = "embedded tiny Llama" if source is None else (source.ref if source.hub else Path(source.ref).name)
+    model = f"embedded tiny {foak_args.arch or 'Llama'}" if source is None else (source.ref if source.hub else Path(source.ref).name)
     mode = {"none": "full fine-tuning", "lora": f"LoRA r{foak_args.lora_r}",
             "qlora-nf4": f"QLoRA NF4 r{foak_args.lora_r}"}[foak_args.peft]
     precision = {"bf16": "bf16 autocast", "fp16": "fp16 autocast", "no": "no autocast"}[
@@ -692,7 +707,7 @@ def train(argv: list[str]) -> dict:
     gptq = gptq_checkpoint(foak_args, None if source is None else source.config)  # a GPTQ --model needs lora
     config = resolve_config(foak_args)
     if config is not None:
-        check_architecture("llama" if source is None else source.model_type, foak_args)
+        check_architecture((foak_args.arch or "llama") if source is None else source.model_type, foak_args)
     check_run_precision(foak_args, training_args, gptq)
     if training_args.fp16 and device.type == "cpu":
         raise ValueError("--fp16 needs a CUDA GPU: on CPU accelerate runs neither fp16 autocast nor a GradScaler, "
