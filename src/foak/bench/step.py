@@ -188,7 +188,12 @@ def apply_framework(model, exp: dict):
         except ImportError:
             raise ValueError("framework liger: liger-kernel is not installed (pip install liger-kernel)") from None
         base = model.get_base_model() if hasattr(model, "get_base_model") else model  # a PeftModel
-        apply = getattr(liger, f"apply_liger_kernel_to_{base.config.model_type}", None)
+        model_type = base.config.model_type
+        apply = getattr(liger, f"apply_liger_kernel_to_{model_type}", None)
+        if apply is None:  # e.g. qwen3_5_text: liger's own table maps the text model types to their functions
+            from liger_kernel.transformers import monkey_patch
+
+            apply = getattr(monkey_patch, "MODEL_TYPE_TO_APPLY_LIGER_FN", {}).get(model_type)
         if apply is None:
             raise ValueError(f"framework liger: liger-kernel has no apply_liger_kernel_to_{base.config.model_type}")
         apply(model=base, **fw["options"])
