@@ -57,6 +57,12 @@ SPECS: dict[str, Spec] = {
     # ---- Gemma family and multimodal text towers (gemma*, mistral3) ----
 
     # ---- MoE (qwen2_moe, glm4_moe, deepseek_v3, llama4, granitemoeshared) ----
+    # layer 0 dense (mlp_only_layers), layer 1 sparse with the shared expert and its sigmoid gate
+    "qwen2_moe": Spec("Qwen2MoeConfig", "Qwen2MoeForCausalLM",
+                      {**COMMON, **MOE, "num_experts": 4, "moe_intermediate_size": 48,
+                       "shared_expert_intermediate_size": 80, "mlp_only_layers": [0]},
+                      {"rms_norm": 5, "rms_norm_recompute": 1, "fused_lora_qkv": 0, "rope": 2, "swiglu": 2,
+                       "fused_linear_loss": 1, "packed_attention": 1, "moe": 1, "fused_lora": 0}),
 
     # ---- gpt-oss ----
 

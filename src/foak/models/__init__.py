@@ -24,6 +24,7 @@ ARCHITECTURES = {
     # ---- Gemma family and multimodal text towers (gemma*, mistral3) ----
 
     # ---- MoE (qwen2_moe, glm4_moe, deepseek_v3, llama4, granitemoeshared) ----
+    "qwen2_moe": "foak.models.qwen2_moe",
 
     # ---- gpt-oss ----
 

@@ -27,6 +27,8 @@ TINY_CONFIGS = {
     # ---- Gemma family and multimodal text towers ----
 
     # ---- MoE ----
+    "qwen2_moe": ("Qwen2MoeConfig", {**_MOE, "moe_intermediate_size": 48, "shared_expert_intermediate_size": 80,
+                                     "mlp_only_layers": [0]}),
 
     # ---- gpt-oss ----
 
