@@ -25,6 +25,9 @@ ARCHITECTURES = {
 
     # ---- MoE (qwen2_moe, glm4_moe, deepseek_v3, llama4, granitemoeshared) ----
     "qwen2_moe": "foak.models.qwen2_moe",
+    "glm4_moe": "foak.models.glm4_moe",
+    "glm4_moe_lite": "foak.models.glm4_moe_lite",
+    "deepseek_v3": "foak.models.deepseek_v3",
 
     # ---- gpt-oss ----
 
