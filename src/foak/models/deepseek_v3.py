@@ -9,11 +9,10 @@ foak.patching.moe). The router (sigmoid scores, ``e_score_correction_bias``, gro
 from transformers.models.deepseek_v3 import modeling_deepseek_v3 as modeling
 
 from foak.patching.moe import moe_experts_rule
-from foak.patching.replacements import decoder_rules, rope_rule
+from foak.patching.replacements import decoder_rules, interleaved_rope_rule
 
 
 def rules():
-    rope = rope_rule("deepseek_v3", modeling.DeepseekV3Attention,
-                     interleave_function="apply_rotary_pos_emb_interleave")
+    rope = interleaved_rope_rule("deepseek_v3", modeling.DeepseekV3Attention)
     return [*(rope if r.switch == "rope" else r for r in decoder_rules("deepseek_v3", modeling, "DeepseekV3")),
             moe_experts_rule("deepseek_v3", modeling, "DeepseekV3Experts")]

@@ -8,11 +8,10 @@ foak.patching.moe). The router (grouped sigmoid top-k with ``e_score_correction_
 from transformers.models.glm4_moe_lite import modeling_glm4_moe_lite as modeling
 
 from foak.patching.moe import moe_experts_rule
-from foak.patching.replacements import decoder_rules, rope_rule
+from foak.patching.replacements import decoder_rules, interleaved_rope_rule
 
 
 def rules():
-    rope = rope_rule("glm4_moe_lite", modeling.Glm4MoeLiteAttention,
-                     interleave_function="apply_rotary_pos_emb_interleave")
+    rope = interleaved_rope_rule("glm4_moe_lite", modeling.Glm4MoeLiteAttention)
     return [*(rope if r.switch == "rope" else r for r in decoder_rules("glm4_moe_lite", modeling, "Glm4MoeLite")),
             moe_experts_rule("glm4_moe_lite", modeling, "Glm4MoeLiteExperts")]

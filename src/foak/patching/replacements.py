@@ -188,6 +188,47 @@ def _foak_apply_rotary_pos_emb(original):
     return apply_rotary_pos_emb
 
 
+def _install_rope(module_name: str, attr: str):
+    module = sys.modules[module_name]
+    return globals_.replace_attribute(module, attr, _foak_apply_rotary_pos_emb(getattr(module, attr)))
+
+
+_QKV = ("q_proj", "k_proj", "v_proj")
+
+
+def rope_rule(arch: str, attention_class: type, function_name: str = "apply_rotary_pos_emb") -> Rule:
+    module_name = attention_class.__module__
+
+    def skip_reason(model):
+        if not callable(getattr(sys.modules[module_name], function_name, None)):
+            return f"{module_name} has no {function_name} to route through foak"
+        return None
+
+    rule_id = f"{arch}.rope"
+
+    def patch(module, model, state):
+        globals_.acquire_for(module, state, ("rope", module_name, function_name),
+                             functools.partial(_install_rope, module_name, function_name))
+
+        def forward(self, *args, **kwargs):
+            # under autocast over fp32 weights, q/k/v share one cast of the input, unless they are quantized
+            # (foak.patching.autocast)
+            args, kwargs = cast_first_argument(args, kwargs, [getattr(self, p, None) for p in _QKV])
+            previous = _ROPE_ACTIVE.on
+            _ROPE_ACTIVE.on = True
+            try:
+                return call_next(self, rule_id, *args, **kwargs)
+            finally:
+                _ROPE_ACTIVE.on = previous
+
+        return forward
+
+    return Rule(rule_id, "rope", Trigger(attention_class), patch, skip_reason)
+
+
+# ---- DeepSeek's interleaved RoPE (MLA attention: deepseek_v3, glm4_moe_lite) ------------------------
+
+
 def _foak_apply_rotary_pos_emb_interleave(original):
     """DeepSeek's interleaved RoPE (``apply_rotary_pos_emb_interleave``: pairs ``(x0, x1), (x2, x3), ...`` each
     rotated by one frequency, returned de-interleaved as ``[rotated evens, rotated odds]``). That is exactly
@@ -215,50 +256,29 @@ def _foak_apply_rotary_pos_emb_interleave(original):
     return apply_rotary_pos_emb_interleave
 
 
-def _install_rope(module_name: str, attr: str, wrapper=_foak_apply_rotary_pos_emb):
+def _install_rope_interleave(module_name: str, attr: str):
     module = sys.modules[module_name]
-    return globals_.replace_attribute(module, attr, wrapper(getattr(module, attr)))
+    return globals_.replace_attribute(module, attr, _foak_apply_rotary_pos_emb_interleave(getattr(module, attr)))
 
 
-_QKV = ("q_proj", "k_proj", "v_proj")
-
-
-def rope_rule(arch: str, attention_class: type, function_name: str = "apply_rotary_pos_emb",
-              interleave_function: str | None = None) -> Rule:
-    """``interleave_function``: the name of the modeling module's DeepSeek-style interleaved RoPE
-    (``apply_rotary_pos_emb_interleave``), routed through foak too (see _foak_apply_rotary_pos_emb_interleave)."""
+def interleaved_rope_rule(arch: str, attention_class: type,
+                          function_name: str = "apply_rotary_pos_emb_interleave") -> Rule:
+    """:func:`rope_rule` for an MLA attention that calls ``apply_rotary_pos_emb`` or, with
+    ``config.rope_interleave``, DeepSeek's ``apply_rotary_pos_emb_interleave``: both go through foak's rope op."""
+    base = rope_rule(arch, attention_class)
     module_name = attention_class.__module__
 
     def skip_reason(model):
-        for name in (function_name, interleave_function):
-            if name is not None and not callable(getattr(sys.modules[module_name], name, None)):
-                return f"{module_name} has no {name} to route through foak"
-        return None
-
-    rule_id = f"{arch}.rope"
+        if not callable(getattr(sys.modules[module_name], function_name, None)):
+            return f"{module_name} has no {function_name} to route through foak"
+        return base.skip_reason(model)
 
     def patch(module, model, state):
         globals_.acquire_for(module, state, ("rope", module_name, function_name),
-                             functools.partial(_install_rope, module_name, function_name))
-        if interleave_function is not None:
-            globals_.acquire_for(module, state, ("rope", module_name, interleave_function),
-                                 functools.partial(_install_rope, module_name, interleave_function,
-                                                   _foak_apply_rotary_pos_emb_interleave))
+                             functools.partial(_install_rope_interleave, module_name, function_name))
+        return base.patch(module, model, state)
 
-        def forward(self, *args, **kwargs):
-            # under autocast over fp32 weights, q/k/v share one cast of the input, unless they are quantized
-            # (foak.patching.autocast)
-            args, kwargs = cast_first_argument(args, kwargs, [getattr(self, p, None) for p in _QKV])
-            previous = _ROPE_ACTIVE.on
-            _ROPE_ACTIVE.on = True
-            try:
-                return call_next(self, rule_id, *args, **kwargs)
-            finally:
-                _ROPE_ACTIVE.on = previous
-
-        return forward
-
-    return Rule(rule_id, "rope", Trigger(attention_class), patch, skip_reason)
+    return Rule(base.id, base.switch, base.trigger, patch, skip_reason)
 
 
 # ---- loss --------------------------------------------------------------------------------------------
