@@ -88,6 +88,13 @@ SPECS: dict[str, Spec] = {
                            "qk_rope_head_dim": 8, "qk_nope_head_dim": 16, "v_head_dim": 12, "rope_interleave": True},
                           {"rms_norm": 9, "rms_norm_recompute": 1, "fused_lora_qkv": 0, "rope": 2, "swiglu": 2,
                            "fused_linear_loss": 1, "packed_attention": 1, "moe": 1, "fused_lora": 0}),
+    # GraniteMoE (multipliers, logits_scaling) with a shared expert whose gate|up rows are one input_linear
+    "granitemoeshared": Spec("GraniteMoeSharedConfig", "GraniteMoeSharedForCausalLM",
+                             {**COMMON, **MOE, "num_local_experts": 4, "shared_intermediate_size": 80,
+                              "logits_scaling": 3.0, "residual_multiplier": 0.5, "embedding_multiplier": 2.0,
+                              "attention_multiplier": 0.2},
+                             {"rms_norm": 5, "rms_norm_recompute": 1, "fused_lora_qkv": 0, "rope": 2,
+                              "fused_linear_loss": 1, "packed_attention": 1, "swiglu": 2, "moe": 2, "fused_lora": 0}),
 
     # ---- gpt-oss ----
 

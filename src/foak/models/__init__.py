@@ -28,6 +28,7 @@ ARCHITECTURES = {
     "glm4_moe": "foak.models.glm4_moe",
     "glm4_moe_lite": "foak.models.glm4_moe_lite",
     "deepseek_v3": "foak.models.deepseek_v3",
+    "granitemoeshared": "foak.models.granitemoeshared",
 
     # ---- gpt-oss ----
 

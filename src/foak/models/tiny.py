@@ -41,6 +41,7 @@ TINY_CONFIGS = {
                                              "mlp_layer_types": ["dense", "sparse"], "n_group": 2, "topk_group": 1,
                                              "q_lora_rank": 32, "kv_lora_rank": 24, "qk_rope_head_dim": 8,
                                              "qk_nope_head_dim": 16, "v_head_dim": 12}),
+    "granitemoeshared": ("GraniteMoeSharedConfig", {**_GRANITE, **_MOE, "shared_intermediate_size": 80}),
 
     # ---- gpt-oss ----
 
