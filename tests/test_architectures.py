@@ -95,6 +95,17 @@ SPECS: dict[str, Spec] = {
                               "attention_multiplier": 0.2},
                              {"rms_norm": 5, "rms_norm_recompute": 1, "fused_lora_qkv": 0, "rope": 2,
                               "fused_linear_loss": 1, "packed_attention": 1, "swiglu": 2, "moe": 2, "fused_lora": 0}),
+    # Llama4ForCausalLM: layer 0 dense with RoPE + qk L2 norm + chunked attention (chunk shorter than the batches),
+    # layer 1 MoE (router scores scale the experts' inputs; shared expert) without RoPE (temperature tuning)
+    "llama4_text": Spec("Llama4TextConfig", "Llama4ForCausalLM",
+                        {**COMMON, **MOE, "intermediate_size": 48, "intermediate_size_mlp": 96, "head_dim": 16,
+                         "num_local_experts": 4, "interleave_moe_layer_step": 2, "no_rope_layer_interval": 2,
+                         "attention_chunk_size": WINDOW},
+                        {"rms_norm": 5, "rms_norm_recompute": 1, "fused_lora_qkv": 0, "rope": 0, "qk_norm": 0,
+                         "swiglu": 2, "fused_linear_loss": 1, "packed_attention": 0, "moe": 1, "fused_lora": 0},
+                        # PEFT's all-linear wraps Llama4Router (an nn.Linear returning a tuple) and fails unpatched
+                        # too: tests/test_arch_moe.py runs LoRA on every other linear layer
+                        lora=False),
 
     # ---- gpt-oss ----
 

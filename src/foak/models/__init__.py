@@ -29,6 +29,8 @@ ARCHITECTURES = {
     "glm4_moe_lite": "foak.models.glm4_moe_lite",
     "deepseek_v3": "foak.models.deepseek_v3",
     "granitemoeshared": "foak.models.granitemoeshared",
+    # Llama4ForCausalLM (what AutoModelForCausalLM builds from a Llama-4 checkpoint) reports llama4_text
+    "llama4_text": "foak.models.llama4_text",
 
     # ---- gpt-oss ----
 

@@ -42,6 +42,8 @@ TINY_CONFIGS = {
                                              "q_lora_rank": 32, "kv_lora_rank": 24, "qk_rope_head_dim": 8,
                                              "qk_nope_head_dim": 16, "v_head_dim": 12}),
     "granitemoeshared": ("GraniteMoeSharedConfig", {**_GRANITE, **_MOE, "shared_intermediate_size": 80}),
+    "llama4_text": ("Llama4TextConfig", {**_MOE, "intermediate_size": 48, "intermediate_size_mlp": 96, "head_dim": 16,
+                                         "interleave_moe_layer_step": 2, "no_rope_layer_interval": 2}),
 
     # ---- gpt-oss ----
 
