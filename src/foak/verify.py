@@ -167,7 +167,10 @@ def lora_model(model: nn.Module, rank: int = 4, seed: int = 0) -> nn.Module:
 
     base = copy.deepcopy(model)
     head = base.get_output_embeddings()
-    targets = [n for n, m in base.named_modules() if isinstance(m, (nn.Linear, GPTQLinear)) and m is not head]
+    # not a transformers class that subclasses nn.Linear with a forward of its own (Llama4Router returns a
+    # tuple): PEFT's LoRA layer cannot wrap it
+    targets = [n for n, m in base.named_modules() if isinstance(m, (nn.Linear, GPTQLinear)) and m is not head
+               and not (type(m).__module__.startswith("transformers.models.") and type(m).forward is not nn.Linear.forward)]
     if not targets:
         raise ValueError("the model has no linear projection to put LoRA adapters on")
     config = peft.LoraConfig(r=rank, lora_alpha=2 * rank, lora_dropout=0.0, target_modules=targets)

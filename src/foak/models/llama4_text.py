@@ -1,7 +1,6 @@
 """Llama-4 text (``Llama4ForCausalLM``, config ``Llama4TextConfig``, model_type ``llama4_text``: what
 ``AutoModelForCausalLM`` builds from a Llama-4 checkpoint): RMSNorm, the SwiGLU MLPs (the dense layers' and each
-MoE layer's shared expert), loss, packed attention where no layer is chunked, and the routed experts through
-foak's ``moe_experts`` op.
+MoE layer's shared expert), loss, and the routed experts through foak's ``moe_experts`` op.
 
 Llama4TextExperts does not use transformers' experts interface: the MoE block (Llama4TextMoe) scales each token
 by its router score *before* the experts (``routed_in = x * sigmoid(top-k logit)``, zero for the experts not
@@ -14,17 +13,15 @@ every token.
 
 What stays transformers': the RoPE (a complex multiply on interleaved pairs, ``apply_rotary_emb`` with
 ``freqs_cis``: foak's rope op takes rotate_half cos/sin), the qk-norm (Llama4TextL2Norm: no weight), the
-temperature tuning of the NoPE layers, and packed attention on chunked-attention layers (below).
+temperature tuning of the NoPE layers, and packed batches' attention (the decoder layer does not pass
+``position_ids`` to its attention, where foak's packed path reads the sequences).
 """
-
-import dataclasses
 
 import torch
 from torch import nn
 from transformers.models.llama4 import modeling_llama4 as modeling
 
 from foak.patching import moe as moe_patching
-from foak.patching.packed_attention import packed_attention_rule
 from foak.patching.replacements import (causal_lm_rules, glu_mlp_rule, rms_norm_recompute_rule,
                                         rms_norm_rule)
 from foak.patching.rules import Rule, Skip, Trigger, call_next
@@ -92,18 +89,6 @@ def _not_served(rule_id: str, switch: str, module_class: type, why: str) -> Rule
                 lambda model: why)
 
 
-def _packed_attention_rule() -> Rule:
-    rule = packed_attention_rule(ARCH, modeling.Llama4TextModel)
-
-    def skip_reason(model):
-        if "chunked_attention" in (getattr(model.config, "layer_types", None) or ()):
-            return ("chunked-attention layers (attention_chunk_size): foak's packed path has no chunked mask; "
-                    "transformers' sdpa runs (attention_chunk_size=None makes every layer full attention)")
-        return rule.skip_reason(model) if rule.skip_reason else None
-
-    return dataclasses.replace(rule, skip_reason=skip_reason)
-
-
 def rules():
     return [rms_norm_rule(ARCH, modeling.Llama4TextRMSNorm),
             rms_norm_recompute_rule(ARCH, modeling.Llama4TextModel),
@@ -114,5 +99,7 @@ def rules():
                         "Llama4TextL2Norm has no weight; foak's rms_norm takes one"),
             glu_mlp_rule(ARCH, modeling.Llama4TextMLP),
             *causal_lm_rules(ARCH, modeling.Llama4ForCausalLM),
-            _packed_attention_rule(),
+            _not_served(f"{ARCH}.packed_attention", "packed_attention", modeling.Llama4TextModel,
+                        "Llama4TextDecoderLayer does not pass position_ids to its attention, where foak's packed "
+                        "path reads the sequences (and chunked-attention layers would need a chunked mask)"),
             moe_block_rule(modeling.Llama4TextMoe)]
