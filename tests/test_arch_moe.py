@@ -217,3 +217,42 @@ def test_deepseek_v3_without_rope_interleave(monkeypatch):
         assert len(calls) == 2  # both layers' q_rot / k_rot through foak's rope op
     finally:
         foak.restore(model)
+
+
+# ---- GraniteMoE-Shared: the shared expert (gate|up rows in one input_linear) ------------------------------
+
+
+@pytest.mark.parametrize("backend", ["reference", "auto"])
+def test_granitemoeshared_shared_mlp_matches_transformers(backend):
+    from transformers import GraniteMoeSharedConfig
+    from transformers.models.granitemoeshared import modeling_granitemoeshared as modeling
+
+    foak.set_backend(backend)
+    config = GraniteMoeSharedConfig(hidden_size=24, shared_intermediate_size=20, hidden_act="silu")
+    torch.manual_seed(0)
+    mlp = modeling.GraniteMoeSharedMLP(config)
+    ref = copy.deepcopy(mlp)
+    holder = _Holder(mlp)
+    holder.config.model_type = "granitemoeshared"
+    report = foak.patch(holder)
+    try:
+        assert report.count("granitemoeshared.swiglu") == 1, str(report)
+        calls = []
+        glu_linear = replacements.glu_linear
+        replacements.glu_linear = lambda *a, **k: calls.append(1) or glu_linear(*a, **k)
+        try:
+            x = torch.randn(3, 5, 24, requires_grad=True)
+            out = mlp(x)
+        finally:
+            replacements.glu_linear = glu_linear
+        x_ref = x.detach().clone().requires_grad_(True)
+        ref_out = ref(x_ref)
+        assert calls == [1]
+        _close(out, ref_out, "shared MLP output")
+        g = torch.randn_like(out)
+        out.backward(g)
+        ref_out.backward(g)
+        _close(x.grad, x_ref.grad, "input grad")
+        _grads_close(mlp, ref, "shared MLP")
+    finally:
+        foak.restore(holder)
