@@ -256,3 +256,23 @@ def test_granitemoeshared_shared_mlp_matches_transformers(backend):
         _grads_close(mlp, ref, "shared MLP")
     finally:
         foak.restore(holder)
+
+
+def test_llama4_lora_on_the_experts_weights_is_left_to_transformers_and_said():
+    peft = pytest.importorskip("peft")
+    model = build("llama4_text")
+    config = peft.LoraConfig(r=4, target_modules=["q_proj"], init_lora_weights=False,
+                             target_parameters=["feed_forward.experts.gate_up_proj", "feed_forward.experts.down_proj"])
+    model = peft.get_peft_model(model, config)
+    ref = copy.deepcopy(model)
+    report = foak.patch(model)
+    try:
+        assert report.count("llama4_text.moe") == 0
+        assert "not Llama4TextExperts (e.g. PEFT LoRA" in report.result("llama4_text.moe").notes, str(report)
+        batch = batch_of("padded")
+        out, _ = loss_and_grads(model, batch)
+        ref_out, _ = loss_and_grads(ref, batch)
+        _close(out.loss, ref_out.loss, "loss")
+        _grads_close(model, ref, "LoRA on the experts' weights")
+    finally:
+        foak.restore(model)

@@ -32,8 +32,11 @@ ARCH = "llama4_text"
 def _support(block) -> str | None:
     """None when foak's forward computes exactly this Llama4TextMoe's, else why not."""
     experts, router = getattr(block, "experts", None), getattr(block, "router", None)
-    if not isinstance(experts, modeling.Llama4TextExperts) or not isinstance(router, modeling.Llama4Router):
-        return "experts / router are not Llama4TextExperts / Llama4Router"
+    if not isinstance(experts, modeling.Llama4TextExperts):
+        return (f"the experts module is a {type(experts).__name__}, not Llama4TextExperts (e.g. PEFT LoRA on "
+                "the experts' weights: target_parameters)")
+    if not isinstance(router, modeling.Llama4Router):
+        return f"the router is a {type(router).__name__}, not Llama4Router"
     if "forward" in vars(experts) or experts._forward_hooks or experts._forward_pre_hooks:
         return "the experts module has a replaced forward or hooks (foak's forward does not call it)"
     gate_up, down = getattr(experts, "gate_up_proj", None), getattr(experts, "down_proj", None)
