@@ -77,7 +77,7 @@ def moe_block_rule(block_class: type) -> Rule:
             routed_in = (x[:, None, :] * scores[:, :, None]).reshape(T * K, -1)  # HF: x * score, on the input
             routed_out = moe_patching.moe_experts(
                 routed_in, top_k_index.reshape(T * K, 1), routed_in.new_ones(T * K, 1),
-                experts.gate_up_proj.transpose(1, 2), experts.down_proj.transpose(1, 2), activation)
+                experts.gate_up_proj.transpose(1, 2), experts.down_proj.transpose(1, 2), activation=activation)
             counts.count(None, "Llama4TextMoe.forward")
             out = self.shared_expert(x)
             return out + routed_out.to(out.dtype).view(T, K, -1).sum(dim=1), router_logits
