@@ -57,6 +57,55 @@ SPECS: dict[str, Spec] = {
     # ---- Gemma family and multimodal text towers (gemma*, mistral3) ----
 
     # ---- MoE (qwen2_moe, glm4_moe, deepseek_v3, llama4, granitemoeshared) ----
+    # layer 0 dense (mlp_only_layers), layer 1 sparse with the shared expert and its sigmoid gate
+    "qwen2_moe": Spec("Qwen2MoeConfig", "Qwen2MoeForCausalLM",
+                      {**COMMON, **MOE, "num_experts": 4, "moe_intermediate_size": 48,
+                       "shared_expert_intermediate_size": 80, "mlp_only_layers": [0]},
+                      {"rms_norm": 5, "rms_norm_recompute": 1, "fused_lora_qkv": 0, "rope": 2, "swiglu": 2,
+                       "fused_linear_loss": 1, "packed_attention": 1, "moe": 1, "fused_lora": 0}),
+    # layer 0 dense (first_k_dense_replace), layer 1 sparse with shared experts; grouped sigmoid routing; partial
+    # rotary (half of each head); q_norm / k_norm
+    "glm4_moe": Spec("Glm4MoeConfig", "Glm4MoeForCausalLM",
+                     {**COMMON, "n_routed_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 48,
+                      "n_shared_experts": 1, "first_k_dense_replace": 1, "n_group": 2, "topk_group": 1,
+                      "routed_scaling_factor": 2.5, "use_qk_norm": True},
+                     {"rms_norm": 9, "rms_norm_recompute": 1, "fused_lora_qkv": 0, "rope": 2, "swiglu": 2,
+                      "fused_linear_loss": 1, "packed_attention": 1, "moe": 1, "fused_lora": 0}),
+    # MLA (q_lora_rank / kv_lora_rank, q_a_layernorm / kv_a_layernorm, v head dim != qk head dim), interleaved
+    # RoPE on the rotary part of q/k; layer 0 dense, layer 1 sparse with shared experts; grouped sigmoid routing
+    "deepseek_v3": Spec("DeepseekV3Config", "DeepseekV3ForCausalLM",
+                        {**COMMON, "num_key_value_heads": 4, "n_routed_experts": 4, "num_experts_per_tok": 2,
+                         "moe_intermediate_size": 48, "n_shared_experts": 1, "first_k_dense_replace": 1,
+                         "n_group": 2, "topk_group": 1, "q_lora_rank": 32, "kv_lora_rank": 24,
+                         "qk_rope_head_dim": 8, "qk_nope_head_dim": 16, "v_head_dim": 12, "rope_interleave": True},
+                        {"rms_norm": 9, "rms_norm_recompute": 1, "fused_lora_qkv": 0, "rope": 2, "swiglu": 2,
+                         "fused_linear_loss": 1, "packed_attention": 1, "moe": 1, "fused_lora": 0}),
+    # DeepSeek's MLA with GLM-4-MoE's experts; mlp_layer_types: layer 0 dense, layer 1 sparse
+    "glm4_moe_lite": Spec("Glm4MoeLiteConfig", "Glm4MoeLiteForCausalLM",
+                          {**COMMON, "num_key_value_heads": 4, "n_routed_experts": 4, "num_experts_per_tok": 2,
+                           "moe_intermediate_size": 48, "n_shared_experts": 1, "mlp_layer_types": ["dense", "sparse"],
+                           "n_group": 2, "topk_group": 1, "q_lora_rank": 32, "kv_lora_rank": 24,
+                           "qk_rope_head_dim": 8, "qk_nope_head_dim": 16, "v_head_dim": 12, "rope_interleave": True},
+                          {"rms_norm": 9, "rms_norm_recompute": 1, "fused_lora_qkv": 0, "rope": 2, "swiglu": 2,
+                           "fused_linear_loss": 1, "packed_attention": 1, "moe": 1, "fused_lora": 0}),
+    # GraniteMoE (multipliers, logits_scaling) with a shared expert whose gate|up rows are one input_linear
+    "granitemoeshared": Spec("GraniteMoeSharedConfig", "GraniteMoeSharedForCausalLM",
+                             {**COMMON, **MOE, "num_local_experts": 4, "shared_intermediate_size": 80,
+                              "logits_scaling": 3.0, "residual_multiplier": 0.5, "embedding_multiplier": 2.0,
+                              "attention_multiplier": 0.2},
+                             {"rms_norm": 5, "rms_norm_recompute": 1, "fused_lora_qkv": 0, "rope": 2,
+                              "fused_linear_loss": 1, "packed_attention": 1, "swiglu": 2, "moe": 2, "fused_lora": 0}),
+    # Llama4ForCausalLM: layer 0 dense with RoPE + qk L2 norm + chunked attention (chunk shorter than the batches),
+    # layer 1 MoE (router scores scale the experts' inputs; shared expert) without RoPE (temperature tuning)
+    "llama4_text": Spec("Llama4TextConfig", "Llama4ForCausalLM",
+                        {**COMMON, **MOE, "intermediate_size": 48, "intermediate_size_mlp": 96, "head_dim": 16,
+                         "num_local_experts": 4, "interleave_moe_layer_step": 2, "no_rope_layer_interval": 2,
+                         "attention_chunk_size": WINDOW},
+                        {"rms_norm": 5, "rms_norm_recompute": 1, "fused_lora_qkv": 0, "rope": 0, "qk_norm": 0,
+                         "swiglu": 2, "fused_linear_loss": 1, "packed_attention": 0, "moe": 1, "fused_lora": 0},
+                        # PEFT's all-linear wraps Llama4Router (an nn.Linear returning a tuple) and fails unpatched
+                        # too: tests/test_arch_moe.py runs LoRA on every other linear layer
+                        lora=False),
 
     # ---- gpt-oss ----
 

@@ -159,7 +159,8 @@ def packed_batch(vocab_size: int, lengths=PACKED_LENGTHS, seed: int = 1, device=
 def lora_model(model: nn.Module, rank: int = 4, seed: int = 0) -> nn.Module:
     """A PEFT LoRA model over a copy of the unpatched ``model``: rank-``rank`` adapters on every linear
     projection but the LM head (attention and MLP; GPTQ layers through foak's GPTQLoraLinear; MoE experts,
-    which are not nn.Linear, get none), dropout 0,
+    which are not nn.Linear, get none unless PEFT adds them itself: for DeepSeek-V3 / GLM-4-MoE it also wraps
+    the experts' 3-d weights and the router's weight in ParamWrappers), dropout 0,
     lora_A and lora_B drawn from a seeded generator (B non-zero, so the adapters change the output)."""
     import peft
 
@@ -167,7 +168,13 @@ def lora_model(model: nn.Module, rank: int = 4, seed: int = 0) -> nn.Module:
 
     base = copy.deepcopy(model)
     head = base.get_output_embeddings()
-    targets = [n for n, m in base.named_modules() if isinstance(m, (nn.Linear, GPTQLinear)) and m is not head]
+    # not a transformers class that subclasses nn.Linear with a forward of its own (Llama4Router returns a
+    # tuple): PEFT's LoRA layer cannot wrap it
+    def own_forward(m):
+        return type(m).__module__.startswith("transformers.models.") and type(m).forward is not nn.Linear.forward
+
+    targets = [n for n, m in base.named_modules()
+               if isinstance(m, (nn.Linear, GPTQLinear)) and m is not head and not own_forward(m)]
     if not targets:
         raise ValueError("the model has no linear projection to put LoRA adapters on")
     config = peft.LoraConfig(r=rank, lora_alpha=2 * rank, lora_dropout=0.0, target_modules=targets)

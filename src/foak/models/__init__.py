@@ -24,6 +24,13 @@ ARCHITECTURES = {
     # ---- Gemma family and multimodal text towers (gemma*, mistral3) ----
 
     # ---- MoE (qwen2_moe, glm4_moe, deepseek_v3, llama4, granitemoeshared) ----
+    "qwen2_moe": "foak.models.qwen2_moe",
+    "glm4_moe": "foak.models.glm4_moe",
+    "glm4_moe_lite": "foak.models.glm4_moe_lite",
+    "deepseek_v3": "foak.models.deepseek_v3",
+    "granitemoeshared": "foak.models.granitemoeshared",
+    # Llama4ForCausalLM (what AutoModelForCausalLM builds from a Llama-4 checkpoint) reports llama4_text
+    "llama4_text": "foak.models.llama4_text",
 
     # ---- gpt-oss ----
 

@@ -27,6 +27,23 @@ TINY_CONFIGS = {
     # ---- Gemma family and multimodal text towers ----
 
     # ---- MoE ----
+    "qwen2_moe": ("Qwen2MoeConfig", {**_MOE, "moe_intermediate_size": 48, "shared_expert_intermediate_size": 80,
+                                     "mlp_only_layers": [0]}),
+    "glm4_moe": ("Glm4MoeConfig", {"n_routed_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 48,
+                                   "first_k_dense_replace": 1, "n_group": 2, "topk_group": 1,
+                                   "routed_scaling_factor": 2.5, "use_qk_norm": True}),
+    "deepseek_v3": ("DeepseekV3Config", {"num_key_value_heads": 4, "n_routed_experts": 4, "num_experts_per_tok": 2,
+                                         "moe_intermediate_size": 48, "first_k_dense_replace": 1, "n_group": 2,
+                                         "topk_group": 1, "q_lora_rank": 32, "kv_lora_rank": 24,
+                                         "qk_rope_head_dim": 8, "qk_nope_head_dim": 16, "v_head_dim": 12}),
+    "glm4_moe_lite": ("Glm4MoeLiteConfig", {"num_key_value_heads": 4, "n_routed_experts": 4,
+                                             "num_experts_per_tok": 2, "moe_intermediate_size": 48,
+                                             "mlp_layer_types": ["dense", "sparse"], "n_group": 2, "topk_group": 1,
+                                             "q_lora_rank": 32, "kv_lora_rank": 24, "qk_rope_head_dim": 8,
+                                             "qk_nope_head_dim": 16, "v_head_dim": 12}),
+    "granitemoeshared": ("GraniteMoeSharedConfig", {**_GRANITE, **_MOE, "shared_intermediate_size": 80}),
+    "llama4_text": ("Llama4TextConfig", {**_MOE, "intermediate_size": 48, "intermediate_size_mlp": 96, "head_dim": 16,
+                                         "interleave_moe_layer_step": 2, "no_rope_layer_interval": 2}),
 
     # ---- gpt-oss ----
 

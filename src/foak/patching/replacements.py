@@ -226,6 +226,61 @@ def rope_rule(arch: str, attention_class: type, function_name: str = "apply_rota
     return Rule(rule_id, "rope", Trigger(attention_class), patch, skip_reason)
 
 
+# ---- DeepSeek's interleaved RoPE (MLA attention: deepseek_v3, glm4_moe_lite) ------------------------
+
+
+def _foak_apply_rotary_pos_emb_interleave(original):
+    """DeepSeek's interleaved RoPE (``apply_rotary_pos_emb_interleave``: pairs ``(x0, x1), (x2, x3), ...`` each
+    rotated by one frequency, returned de-interleaved as ``[rotated evens, rotated odds]``). That is exactly
+    foak's rotate_half RoPE of the de-interleaved input ``[x0, x2, ..., x1, x3, ...]`` with ``cat(c, c)``, ``c``
+    the first half of HF's cos (and sin), the half HF reads: one gather of q and k, then the op."""
+
+    def apply_rotary_pos_emb_interleave(q, k, cos, sin, *args, **kwargs):
+        if not _ROPE_ACTIVE.on:
+            return original(q, k, cos, sin, *args, **kwargs)
+        kwargs.pop("position_ids", None)  # unused by HF's function too
+        unsqueeze_dim = kwargs.pop("unsqueeze_dim", args[1] if len(args) > 1 else 1)
+        if kwargs or len(args) > 2:
+            raise TypeError(f"foak rope: unexpected arguments {args[2:]}, {kwargs} for apply_rotary_pos_emb_interleave")
+        half = cos.shape[-1] // 2
+        cos, sin = torch.cat((cos[..., :half], cos[..., :half]), -1), torch.cat((sin[..., :half], sin[..., :half]), -1)
+        q, k = (torch.cat((x[..., 0::2], x[..., 1::2]), -1) for x in (q, k))
+        if unsqueeze_dim == 2:  # q, k laid out [B, S, H, D]
+            q_out, k_out = rope(q.transpose(1, 2), k.transpose(1, 2), cos, sin)
+            return q_out.transpose(1, 2), k_out.transpose(1, 2)
+        if unsqueeze_dim != 1:
+            raise ValueError(f"foak rope: unsqueeze_dim={unsqueeze_dim} is not supported (1 or 2)")
+        return rope(q, k, cos, sin)
+
+    apply_rotary_pos_emb_interleave.__foak_original__ = original
+    return apply_rotary_pos_emb_interleave
+
+
+def _install_rope_interleave(module_name: str, attr: str):
+    module = sys.modules[module_name]
+    return globals_.replace_attribute(module, attr, _foak_apply_rotary_pos_emb_interleave(getattr(module, attr)))
+
+
+def interleaved_rope_rule(arch: str, attention_class: type,
+                          function_name: str = "apply_rotary_pos_emb_interleave") -> Rule:
+    """:func:`rope_rule` for an MLA attention that calls ``apply_rotary_pos_emb`` or, with
+    ``config.rope_interleave``, DeepSeek's ``apply_rotary_pos_emb_interleave``: both go through foak's rope op."""
+    base = rope_rule(arch, attention_class)
+    module_name = attention_class.__module__
+
+    def skip_reason(model):
+        if not callable(getattr(sys.modules[module_name], function_name, None)):
+            return f"{module_name} has no {function_name} to route through foak"
+        return base.skip_reason(model)
+
+    def patch(module, model, state):
+        globals_.acquire_for(module, state, ("rope", module_name, function_name),
+                             functools.partial(_install_rope_interleave, module_name, function_name))
+        return base.patch(module, model, state)
+
+    return Rule(base.id, base.switch, base.trigger, patch, skip_reason)
+
+
 # ---- loss --------------------------------------------------------------------------------------------
 # fused_linear_loss: while a patched causal LM computes a training loss (labels given, grad enabled), its
 # lm_head computes the loss itself, inside its own forward: foak's linear_cross_entropy on (hidden,
