@@ -59,6 +59,13 @@ SPECS: dict[str, Spec] = {
     # ---- MoE (qwen2_moe, glm4_moe, deepseek_v3, llama4, granitemoeshared) ----
 
     # ---- gpt-oss ----
+    # experts through fast_moe (clamped SwiGLU, interleaved gate/up, transposed weights, biases); attention
+    # sinks keep transformers' attention (packed_attention: 0, says why); alternating sliding/full layers
+    "gpt_oss": Spec("GptOssConfig", "GptOssForCausalLM",
+                    {**COMMON, **MOE, "num_local_experts": 4, "head_dim": 16, "sliding_window": WINDOW,
+                     "layer_types": ["sliding_attention", "full_attention"]},
+                    rows={"rms_norm": 5, "rms_norm_recompute": 1, "fused_lora_qkv": 0, "rope": 2,
+                          "fused_linear_loss": 1, "packed_attention": 0, "moe": 2, "fused_lora": 0}),
 
     # ---- Qwen3.5 hybrids ----
 

@@ -26,6 +26,7 @@ ARCHITECTURES = {
     # ---- MoE (qwen2_moe, glm4_moe, deepseek_v3, llama4, granitemoeshared) ----
 
     # ---- gpt-oss ----
+    "gpt_oss": "foak.models.gpt_oss",
 
     # ---- Qwen3.5 hybrids ----
 

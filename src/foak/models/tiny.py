@@ -29,6 +29,8 @@ TINY_CONFIGS = {
     # ---- MoE ----
 
     # ---- gpt-oss ----
+    "gpt_oss": ("GptOssConfig", {**_MOE, "head_dim": 16, "sliding_window": 4,
+                                 "layer_types": ["sliding_attention", "full_attention"]}),
 
     # ---- Qwen3.5 hybrids ----
 
