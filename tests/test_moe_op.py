@@ -393,3 +393,20 @@ def test_clamped_swiglu_under_autocast_over_fp32_weights_and_biases():
         assert a.dtype == torch.float32, name  # the output in hidden's dtype, the gradients in the parameters'
         # bf16 GEMMs: a value of h rounded across +-limit flips its clamp (max-norm error up to ~4e-2 here)
         assert rel(a, b) <= 6e-2, (name, rel(a, b))
+
+
+def test_clamped_swiglu_recompute_h_same_gradients():
+    gu, dn, bg, bd = gpt_oss_params(3, 40, 24)
+    x, w = torch.randn(11, 40), torch.rand(11, 2)
+    idx = torch.stack([torch.tensor([2, 0])] * 11)  # expert 1 gets no token
+
+    def fn(recompute):
+        return lambda *a: moe_experts(a[0], idx, a[1], a[2], a[3], "clamped_swiglu", recompute, gate_up_bias=a[4],
+                                      down_bias=a[5], interleaved=True, transposed=True, alpha=ALPHA, limit=0.6)
+
+    kept = grads_of(fn(False), (x, w, gu, dn, bg, bd))
+    again = grads_of(fn(True), (x, w, gu, dn, bg, bd))
+    for name, a, b in zip(GPT_NAMES, again, kept):
+        assert torch.equal(a, b), name
+    assert torch.count_nonzero(kept[5][1]) == 0 and torch.count_nonzero(kept[6][1]) == 0
+    assert torch.count_nonzero(kept[5][0]) == 48 and torch.count_nonzero(kept[6][2]) == 40
