@@ -108,6 +108,16 @@ SPECS: dict[str, Spec] = {
                         lora=False),
 
     # ---- gpt-oss ----
+    # experts through fast_moe (clamped SwiGLU, interleaved gate/up, transposed weights, biases); attention
+    # sinks keep transformers' attention (packed_attention: 0, says why); alternating sliding/full layers
+    "gpt_oss": Spec("GptOssConfig", "GptOssForCausalLM",
+                    {**COMMON, **MOE, "num_local_experts": 4, "head_dim": 16, "sliding_window": WINDOW,
+                     "layer_types": ["sliding_attention", "full_attention"],
+                     "rope_parameters": {"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0,
+                                         "truncate": False, "rope_theta": 150000.0,
+                                         "original_max_position_embeddings": 2}},  # gpt-oss's YaRN, 64 = 32 x 2
+                    rows={"rms_norm": 5, "rms_norm_recompute": 1, "fused_lora_qkv": 0, "rope": 2,
+                          "fused_linear_loss": 1, "packed_attention": 0, "moe": 2, "fused_lora": 0}),
 
     # ---- Qwen3.5 hybrids ----
 

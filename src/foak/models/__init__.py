@@ -33,6 +33,7 @@ ARCHITECTURES = {
     "llama4_text": "foak.models.llama4_text",
 
     # ---- gpt-oss ----
+    "gpt_oss": "foak.models.gpt_oss",
 
     # ---- Qwen3.5 hybrids ----
 

@@ -46,6 +46,12 @@ TINY_CONFIGS = {
                                          "interleave_moe_layer_step": 2, "no_rope_layer_interval": 2}),
 
     # ---- gpt-oss ----
+    "gpt_oss": ("GptOssConfig", {**_MOE, "head_dim": 16, "sliding_window": 4,
+                                 "layer_types": ["sliding_attention", "full_attention"],
+                                 # gpt-oss's YaRN scaled to the tiny context (128 = 32 x 4 positions)
+                                 "rope_parameters": {"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0,
+                                                     "beta_slow": 1.0, "truncate": False, "rope_theta": 150000.0,
+                                                     "original_max_position_embeddings": 4}}),
 
     # ---- Qwen3.5 hybrids ----
 

@@ -18,11 +18,19 @@ in its NewGELU/FastGELU forms), plain dense weights and no expert parallelism. A
 module's own forward (the implementation its config names: ``eager``, ``grouped_mm``, ...) and is counted in
 the report row with the reason; a module that fails a static condition is not patched at all ("not patched:
 expert biases").
+
+An experts class with its own gating (``_apply_gate``) that ``moe_experts`` computes is registered by its
+architecture's rule (``moe_experts_rule(..., gate=CustomGate(...))``): gpt-oss's clamped SwiGLU on interleaved
+gate/up columns, transposed weights and biases. Such a module runs foak's op only with exactly the layout
+flags its gate and forward assume, both biases present, and its gate parameters (``alpha``, ``limit``) finite
+numbers; a subclass that overrides ``_apply_gate`` is not registered and keeps its own forward.
 """
 
 from __future__ import annotations
 
+import math
 import weakref
+from typing import NamedTuple
 
 import torch
 from torch import nn
@@ -107,19 +115,75 @@ _LAYOUT = (  # (attribute, value foak needs, default where this transformers lac
 )
 
 
+class CustomGate(NamedTuple):
+    """An experts class's own ``_apply_gate`` that ``moe_experts`` computes as ``activation``, with the layout
+    flags the class must carry (its eager forward and gate assume them) and the module attributes passed on
+    to ``moe_experts`` as keywords of the same names (``alpha``, ``limit``)."""
+
+    activation: str
+    is_concatenated: bool
+    is_transposed: bool
+    has_bias: bool
+    params: tuple[str, ...] = ()
+
+
+_CUSTOM_GATES: dict = {}  # the class's _apply_gate function -> CustomGate (filled by moe_experts_rule)
+
+
+def _custom_gate(module: nn.Module) -> CustomGate | None:
+    return _CUSTOM_GATES.get(getattr(type(module), "_apply_gate", None))
+
+
+def _custom_gate_reason(module: nn.Module, gate: CustomGate) -> str | None:
+    for attribute, needed in (("is_concatenated", gate.is_concatenated), ("is_transposed", gate.is_transposed),
+                              ("has_bias", gate.has_bias)):
+        if bool(getattr(module, attribute, not needed)) != needed:
+            return f"{attribute}={not needed} with {type(module).__name__}'s own gate (it assumes {needed})"
+    for name in gate.params:
+        value = getattr(module, name, None)
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+            return f"{type(module).__name__}.{name} is not a finite number ({value!r})"
+    if gate.has_bias:
+        for name in ("gate_up_proj_bias", "down_proj_bias"):
+            b = getattr(module, name, None)
+            if not isinstance(b, torch.Tensor) or not b.is_floating_point() or b.dim() != 2 \
+                    or type(b) not in (torch.Tensor, nn.Parameter):
+                return f"{name} is not a plain 2-d floating-point tensor ({type(b).__name__})"
+    return None
+
+
+def moe_options(module: nn.Module) -> dict:
+    """The keywords of ``moe_experts`` beyond the activation for this (supported) experts module."""
+    gate = _custom_gate(module)
+    if gate is None:
+        return {}
+    options = {"interleaved": not gate.is_concatenated, "transposed": gate.is_transposed}
+    if gate.has_bias:
+        options.update(gate_up_bias=module.gate_up_proj_bias, down_bias=module.down_proj_bias)
+    options.update({name: float(getattr(module, name)) for name in gate.params})
+    return options
+
+
 def support(module: nn.Module) -> tuple[str | None, str | None]:
     """(activation, None) when ``moe_experts`` computes exactly this experts module's forward, else
     (None, the reason). Cheap: read at patch time and again at every call."""
+    gate = _custom_gate(module)
     for attribute, needed, default, why in _LAYOUT:
+        if gate is not None and attribute in ("is_concatenated", "is_transposed", "has_bias"):
+            continue  # checked against the gate's own layout below
         if bool(getattr(module, attribute, default)) != needed:
             return None, why
+    if gate is not None:
+        reason = _custom_gate_reason(module, gate)
+        if reason is not None:
+            return None, reason
     distributed = getattr(getattr(module, "config", None), "distributed_config", None)
     if getattr(distributed, "enable_expert_parallel", False):
         return None, "expert parallelism (distributed_config.enable_expert_parallel)"
     moe = _hf_moe()
     default_gate = getattr(moe, "_default_apply_gate", None)
-    gate = getattr(type(module), "_apply_gate", None)
-    if default_gate is not None and gate is not None and gate is not default_gate:
+    own_gate = getattr(type(module), "_apply_gate", None)
+    if gate is None and default_gate is not None and own_gate is not None and own_gate is not default_gate:
         return None, f"a custom gating ({type(module).__name__}._apply_gate)"
     gate_up, down = getattr(module, "gate_up_proj", None), getattr(module, "down_proj", None)
     for name, w in (("gate_up_proj", gate_up), ("down_proj", down)):
@@ -127,10 +191,23 @@ def support(module: nn.Module) -> tuple[str | None, str | None]:
             return None, f"{name} is not a 3-d floating-point tensor ({type(w).__name__})"
         if type(w) not in (torch.Tensor, nn.Parameter):
             return None, f"{name} is a {type(w).__name__} (sharded or quantized expert weights)"
-    E, two_i, H = gate_up.shape
-    if two_i % 2 or tuple(down.shape) != (E, H, two_i // 2) or getattr(module, "num_experts", E) != E:
+    transposed = gate is not None and gate.is_transposed
+    if transposed:
+        E, H, two_i = gate_up.shape
+        down_shape = (E, two_i // 2, H)
+    else:
+        E, two_i, H = gate_up.shape
+        down_shape = (E, H, two_i // 2)
+    if two_i % 2 or tuple(down.shape) != down_shape or getattr(module, "num_experts", E) != E:
         return None, (f"expert weights of shapes {tuple(gate_up.shape)} / {tuple(down.shape)} for "
-                      f"{getattr(module, 'num_experts', '?')} experts (foak takes [E, 2I, H] / [E, H, I])")
+                      f"{getattr(module, 'num_experts', '?')} experts (foak takes "
+                      f"{'[E, H, 2I] / [E, I, H]' if transposed else '[E, 2I, H] / [E, H, I]'})")
+    if gate is not None:
+        if gate.has_bias and (tuple(module.gate_up_proj_bias.shape) != (E, two_i)
+                              or tuple(module.down_proj_bias.shape) != (E, H)):
+            return None, (f"expert biases of shapes {tuple(module.gate_up_proj_bias.shape)} / "
+                          f"{tuple(module.down_proj_bias.shape)} (foak takes [E, 2I] / [E, H])")
+        return gate.activation, None
     return activation_of(getattr(module, "act_fn", None))
 
 
@@ -196,7 +273,8 @@ def experts_rule_forward(rule_id: str, counts: _Counts):
             out = call_next(self, rule_id, hidden_states, top_k_index, top_k_weights)
             counts.count(reason, _configured_implementation(self))
             return out
-        out = moe_experts(hidden_states, top_k_index, top_k_weights, self.gate_up_proj, self.down_proj, activation)
+        out = moe_experts(hidden_states, top_k_index, top_k_weights, self.gate_up_proj, self.down_proj, activation,
+                          **moe_options(self))
         counts.count(None, _configured_implementation(self))
         # transformers' implementations return hidden_states' dtype (the op returns the autocast dtype under autocast)
         return out.to(hidden_states.dtype)
@@ -208,11 +286,13 @@ class _NoExpertsClass(nn.Module):
     """Trigger class where the installed transformers has no fused experts class (the rule is skipped)."""
 
 
-def moe_experts_rule(arch: str, modeling, experts_class_name: str) -> Rule:
+def moe_experts_rule(arch: str, modeling, experts_class_name: str, gate: CustomGate | None = None) -> Rule:
     """The ``fast_moe`` rule of an architecture whose modeling module defines ``experts_class_name``: each
     experts module gets foak's forward on the instance (its config, which other models built from the same
-    config object share, is not touched)."""
+    config object share, is not touched). ``gate``: the class's own ``_apply_gate`` is this CustomGate."""
     experts_class = getattr(modeling, experts_class_name, None)
+    if gate is not None and experts_class is not None and "_apply_gate" in vars(experts_class):
+        _CUSTOM_GATES[vars(experts_class)["_apply_gate"]] = gate
     rule_id = f"{arch}.moe"
 
     def skip_reason(model):

@@ -213,6 +213,8 @@ def _why_not_packed(module, query, key, attention_mask, args, kwargs, seqs) -> s
         return "attention dropout"
     if kwargs.get("softcap") is not None:
         return "an attention-logit softcap"
+    if kwargs.get("s_aux") is not None:
+        return "attention sinks (s_aux)"
     if kwargs.get("output_attentions"):
         return "output_attentions"
     if kwargs.get("is_causal", getattr(module, "is_causal", True)) is False:
@@ -355,6 +357,11 @@ def packed_attention_rule(arch: str, stack_class: type) -> Rule:
         return None
 
     def patch(module, model, state):
+        # gpt-oss: a learned sink logit per head (a parameter of each attention module) joins the softmax;
+        # varlen_attention has no such term, and a packed batch needs the whole stack on one path
+        sinks = next((m for m in module.modules() if isinstance(getattr(m, "sinks", None), torch.Tensor)), None)
+        if sinks is not None:
+            return Skip(f"attention sinks ({type(sinks).__name__}.sinks): foak's varlen attention has no sink term")
         config = module.config
         attribute = _implementation_attribute(config)
         previous = getattr(config, attribute, None)

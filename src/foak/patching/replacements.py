@@ -170,10 +170,12 @@ class _ThreadFlag(threading.local):
 _ROPE_ACTIVE = _ThreadFlag()
 
 
-def _foak_apply_rotary_pos_emb(original):
+def _foak_apply_rotary_pos_emb(original, half_cos_sin: bool = False):
     def apply_rotary_pos_emb(q, k, cos, sin, *args, **kwargs):
         if not _ROPE_ACTIVE.on:
             return original(q, k, cos, sin, *args, **kwargs)
+        if half_cos_sin:  # one value per frequency (gpt-oss): the rotate_half layout repeats them ([B, S, D])
+            cos, sin = torch.cat((cos, cos), dim=-1), torch.cat((sin, sin), dim=-1)
         unsqueeze_dim = kwargs.pop("unsqueeze_dim", args[0] if args else 1)
         if kwargs or len(args) > 1:
             raise TypeError(f"foak rope: unexpected arguments {args[1:]}, {kwargs} for apply_rotary_pos_emb")
@@ -188,15 +190,19 @@ def _foak_apply_rotary_pos_emb(original):
     return apply_rotary_pos_emb
 
 
-def _install_rope(module_name: str, attr: str):
+def _install_rope(module_name: str, attr: str, half_cos_sin: bool = False):
     module = sys.modules[module_name]
-    return globals_.replace_attribute(module, attr, _foak_apply_rotary_pos_emb(getattr(module, attr)))
+    return globals_.replace_attribute(module, attr, _foak_apply_rotary_pos_emb(getattr(module, attr), half_cos_sin))
 
 
 _QKV = ("q_proj", "k_proj", "v_proj")
 
 
-def rope_rule(arch: str, attention_class: type, function_name: str = "apply_rotary_pos_emb") -> Rule:
+def rope_rule(arch: str, attention_class: type, function_name: str = "apply_rotary_pos_emb",
+              half_cos_sin: bool = False) -> Rule:
+    """``half_cos_sin``: the model's cos/sin hold one value per frequency ([..., D/2], gpt-oss), rotating
+    ``[x1, x2]`` to ``[x1 cos - x2 sin, x2 cos + x1 sin]``: the same rotation as the rotate_half layout with
+    cos/sin repeated, which the dispatcher builds ([B, S, D] per call) before foak's rope op."""
     module_name = attention_class.__module__
 
     def skip_reason(model):
@@ -208,7 +214,7 @@ def rope_rule(arch: str, attention_class: type, function_name: str = "apply_rota
 
     def patch(module, model, state):
         globals_.acquire_for(module, state, ("rope", module_name, function_name),
-                             functools.partial(_install_rope, module_name, function_name))
+                             functools.partial(_install_rope, module_name, function_name, half_cos_sin))
 
         def forward(self, *args, **kwargs):
             # under autocast over fp32 weights, q/k/v share one cast of the input, unless they are quantized
