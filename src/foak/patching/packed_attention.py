@@ -271,7 +271,7 @@ def _window_of_config(config) -> int | None:
     return window
 
 
-def _window_batch(module, declines: str | None, mask, past, source, position_ids, dropout: bool):
+def _window_batch(module, declines: str | None, mask, past, source, position_ids, dropout: bool, previous: str):
     """(_WindowBatch, None) for an unpacked batch whose sliding-window layers foak computes, else (None, why
     not; None where the model has no sliding-window layer)."""
     config = module.config
@@ -302,10 +302,16 @@ def _window_batch(module, declines: str | None, mask, past, source, position_ids
     elif not isinstance(mask, torch.Tensor) or mask.dim() != 2 or tuple(mask.shape) != (batch, seq_len):
         return None, "an attention mask that is not a [batch, seq_len] padding mask"
     else:
-        found = _varlen.unpadded_sequences(mask)
+        host = mask.detach().to("cpu")  # the one host read of the batch
+        found = _varlen.unpadded_sequences(host, device=source.device)
         if found is None:
             return None, "a padding mask that is not left or right padding"
         seqs, index = found
+        if index is not None and previous == "eager" and not bool((host[:, 0] != 0).all()):
+            # transformers' eager mask adds finfo.min to every score of a position before a row's first token:
+            # a uniform softmax over the whole row, whose output (and its gradient) the loss sees where the last
+            # such position predicts the first token; SDPA, and foak, leave zeros there
+            return None, "left padding under eager attention"
     return _WindowBatch(batch, seq_len, seqs, index, mask is not None), None
 
 
@@ -375,7 +381,7 @@ def _window_attention(module, entry, window: _WindowBatch, query, key, value, ar
     backend = _varlen.resolve_backend(q, v)
     out = _varlen.varlen_attention(q, k, v, window.seqs, scale=kwargs.get("scaling"),
                                    window=kwargs["sliding_window"], backend=backend)
-    if window.index is not None:  # zeros at the padded positions
+    if window.index is not None:  # zeros at the padded positions, as SDPA leaves a query that sees no key
         out = out.new_zeros((B * S, Hq, Dv)).index_copy(0, window.index, out)
     entry.counts.count(backend, windowed=True)
     return out.reshape(B, S, Hq, Dv), None
@@ -661,7 +667,7 @@ def packed_attention_rule(arch: str, stack_class: type) -> Rule:
             window = reason = None
             if seqs is None:
                 window, reason = _window_batch(self, declines, mask, read_past(args, kwargs), source, position_ids,
-                                               dropout)
+                                               dropout, self.__dict__[_ENTRY_ATTR].previous)
                 if window is not None and isinstance(position_ids, torch.Tensor):
                     # ids of this forward's own, by which a recomputed layer finds its batch (see _WINDOWS)
                     position_ids = position_ids.clone()
