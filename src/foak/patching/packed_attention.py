@@ -640,7 +640,12 @@ def packed_attention_rule(arch: str, stack_class: type) -> Rule:
         read_mask = _argument_reader(original, "attention_mask")
         read_input = _argument_reader(original, "input_ids")
         read_embeds = _argument_reader(original, "inputs_embeds")
-        read_past = _argument_reader(original, "past_key_values")
+        read_cache = _argument_reader(original, "cache")  # transformers >= 5.2x; "past_key_values" before
+        read_past_key_values = _argument_reader(original, "past_key_values")
+
+        def read_past(args, kwargs):
+            past = read_cache(args, kwargs)
+            return read_past_key_values(args, kwargs) if past is None else past
         write_ids = _argument_writer(original, "position_ids")
         # what keeps the sliding-window layers of every unpacked batch on transformers' mask
         declines = None
