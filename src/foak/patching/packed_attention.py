@@ -29,6 +29,29 @@ training, an attention-logit softcap, ``output_attentions``, positional extra ar
 earlier tokens) run the previous implementation and are counted. None of foak's architectures has an
 attention softcap. GPTBigCode's attention receives no position_ids: it has no rule.
 
+Sliding-window layers of UNPACKED batches (Mistral's ``sliding_window``, ``layer_types`` holding
+``sliding_attention``: Qwen2/3, Gemma's local layers): transformers builds a dense [B, 1, S, S] sliding-window
+mask for them (``create_sliding_window_causal_mask``, which calls the mask function with
+``local_size=config.sliding_window``, in 5.17 as in 5.24), and SDPA leaves its flash kernel. The stack's forward
+also decides, once per batch, whether its sliding-window layers run foak's path (:class:`_WindowBatch`): no
+attention mask (each row one sequence; no host read), or a 2-D padding mask whose tokens are one run per row
+(left or right padding: one host read of the mask, the tokens gathered to varlen sequences and the output
+scattered back, zeros at the padded positions as SDPA leaves a query that sees no key). Then the mask function
+returns None for the plain sliding-window mask (no overlay, no offsets, the batch's own size), and every layer
+called with ``sliding_window`` and no mask runs ``varlen_attention`` with the window. Full-attention layers get
+transformers' mask and the previous implementation as before (bit-identical). Whether the window covers the
+whole sequence or not, the path is the same (then it is plain causal attention, as flash computes it). A call
+it cannot take (positional arguments, output_attentions, softcap, ``s_aux`` sinks, dropout, a cache with
+earlier tokens) gets transformers' sliding-window mask after all (built from the arguments the mask function
+recorded, once per forward) and the previous implementation, counted with the reason. Whole batches that keep
+transformers' mask, counted per sliding-window call: attention sinks or a softcap in the model (gpt-oss,
+Gemma2), attention dropout in training, a cache holding earlier tokens, a padding mask with gaps, left padding
+under ``eager`` (eager's mask makes a padding position's softmax uniform over the whole row, and the usual
+shifted labels read that position's output), a prepared 4-D mask, and torch.compile (no host read while
+tracing; not counted: compiled calls never are). A layer recomputed in the backward (gradient checkpointing,
+reentrant or not) finds its batch through the position ids it receives (each such forward gets ids of its own,
+copied if given; see ``_WINDOWS``).
+
 Models whose config names another implementation are left alone and say why in the row:
 ``flash_attention_*`` already run packed batches per sequence (varlen from position_ids), ``flex_attention``
 keeps them apart with its block mask.
