@@ -534,11 +534,12 @@ def _window_call_of(entry, current, position_ids, batch: int, seq_len: int, slid
     window = _recalled_window(position_ids)  # a layer recomputed in the backward (gradient checkpointing)
     if window is not _UNKNOWN:
         return window
-    if isinstance(sliding, int) and seq_len >= sliding and isinstance(position_ids, torch.Tensor) and \
-            not torch.compiler.is_compiling() and _sequences_of(position_ids, batch) is None:
+    if isinstance(sliding, int) and seq_len >= sliding and not torch.compiler.is_compiling() \
+            and not (isinstance(position_ids, torch.Tensor) and _sequences_of(position_ids, batch) is not None):
         # transformers never leaves a window this short without a mask: it was foak's batch, now forgotten
         raise RuntimeError("foak packed attention: a sliding-window layer recomputed outside its stack's forward "
-                           f"cannot find its batch any more (more than {_WINDOWS_SIZE} forwards before its backward?)")
+                           "cannot find its batch (no position_ids reach the attention, or more than "
+                           f"{_WINDOWS_SIZE} forwards before its backward)")
     return None
 
 
