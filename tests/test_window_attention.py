@@ -37,9 +37,9 @@ _COMMON = {"vocab_size": VOCAB, "hidden_size": 32, "intermediate_size": 48, "num
 MIXED = ["full_attention", "sliding_attention", "full_attention"]
 
 
-def build(kind: str = "mistral", attn: str = "sdpa", seed: int = 0) -> nn.Module:
+def build(kind: str = "mistral", attn: str = "sdpa", seed: int = 0, window: int = WINDOW) -> nn.Module:
     if kind == "mistral":
-        config = transformers.MistralConfig(**_COMMON, sliding_window=WINDOW)
+        config = transformers.MistralConfig(**_COMMON, sliding_window=window)
     else:  # Qwen2 with full and sliding-window layers
         config = transformers.Qwen2Config(**{**_COMMON, "num_hidden_layers": len(MIXED)}, use_sliding_window=True,
                                           sliding_window=WINDOW, layer_types=MIXED)
@@ -108,8 +108,9 @@ def mask_requests(monkeypatch):
 # ---- Mistral: every layer a sliding-window layer --------------------------------------------------------
 
 
-@pytest.mark.parametrize("checkpointing", [None, False, True], ids=["plain", "checkpoint", "checkpoint-reentrant"])
-@pytest.mark.parametrize("kind", ["unpadded", "left", "right"])
+@pytest.mark.parametrize(("kind", "checkpointing"), [
+    ("unpadded", None), ("left", None), ("right", None), ("left", False), ("right", True)],
+    ids=["unpadded", "left", "right", "left-checkpoint", "right-checkpoint-reentrant"])
 def test_sliding_window_layers_of_unpacked_batches_match_transformers(kind, checkpointing, mask_requests):
     model = build()
     reference = copy.deepcopy(model)
@@ -132,6 +133,21 @@ def test_sliding_window_layers_of_unpacked_batches_match_transformers(kind, chec
     row = report.result("mistral.packed_attention")
     assert f"sliding-window layers of unpacked batches: foak varlen attention ran {calls} calls (sdpa {calls})" \
         in row.notes
+
+
+@pytest.mark.parametrize("kind", ["unpadded", "left"])
+def test_a_window_longer_than_the_rows_takes_the_same_path(kind, mask_requests):
+    """Plain causal attention then: transformers skips its mask for an unpadded batch (SDPA is_causal) and
+    builds a padding mask for a padded one; foak's windowed path runs either way and builds none."""
+    model = build(window=S + 5)
+    reference = copy.deepcopy(model)
+    report = foak.patch(model, fast_packed_attention=True)
+    batch = batch_of(kind)
+    ref = run(reference, batch)
+    mask_requests.clear()
+    assert_same(run(model, batch), ref, kind)
+    assert mask_requests == []
+    assert window_attention_counts(report, "mistral.packed_attention") == {"sdpa": 2}
 
 
 def test_a_padded_batch_attends_only_within_the_window_of_its_own_tokens():
