@@ -14,9 +14,10 @@ right-padded one (rows of S and 3S/4 tokens, labels -100 at the pads).
 Per variant and batch kind: tokens/s over the timed steps (3 warm-up, 8 timed; the first step's wall time
 apart), peak allocated GiB over the timed steps, the losses. Checks (each in its own process, written to the
 JSON's ``checks``):
-- ``model_loss``: foak's first-step loss and gradients against HF's on the same weights and batch (one model,
-  patched after the HF step; bf16: loss within 1e-2 relative, every gradient within 5e-2), and the report's
-  row counting windowed calls (every layer, each step);
+- ``model_loss`` / ``model_grads``: foak's first-step loss and every gradient on the same weights and batch as
+  HF's (one model, patched after the HF step), both against an fp32 copy of the model: foak's error within
+  twice HF's own (floors 1e-3 loss, 5e-3 gradients); ``windowed_calls``: the report's row counts one windowed
+  call per layer and no call of the previous implementation;
 - ``op``: foak.ops.varlen_attention's flash path with the window (window_size_left = window - 1), forward and
   backward, on the benchmark's attention shape (Hq 32, Hkv 8, D 128), rows gathered from a padded batch,
   against explicit fp32 math per sequence (varlen_attention_reference): within 2e-2 relative.
@@ -153,32 +154,51 @@ def relative_error(a, b) -> float:
 
 
 def check_model(kind: str, smoke: bool, window: int) -> list[dict]:
-    """foak vs HF on the same weights and batch: first-step loss and every gradient; the report's counts."""
+    """foak vs HF on the same weights and batch: first-step loss and every gradient; the report's counts. In
+    bf16 both are compared with an fp32 copy of the model (the bound: twice HF's own error, as foak verify
+    does); in fp32 (the CPU smoke) foak is compared with HF directly (1e-5 loss, 1e-4 gradients)."""
     from foak.patching.packed_attention import packed_attention_counts, window_attention_counts
 
     config, batch, seq, device, dtype = setup(smoke, window)
     model = build(config, device, dtype)
     inputs = batches(kind, 1, batch, seq, config.vocab_size, device)[0]
 
-    def loss_and_grads():
-        model.zero_grad(set_to_none=True)
-        loss = model(**inputs).loss
+    def loss_and_grads(m):
+        m.zero_grad(set_to_none=True)
+        loss = m(**inputs).loss
         loss.backward()
-        grads = {n: p.grad.detach().float().cpu() for n, p in model.named_parameters() if p.grad is not None}
-        model.zero_grad(set_to_none=True)
+        grads = {n: p.grad.detach().float().cpu() for n, p in m.named_parameters() if p.grad is not None}
+        m.zero_grad(set_to_none=True)
         return loss.detach().float().cpu(), grads
 
-    ref_loss, ref_grads = loss_and_grads()
+    exact = None
+    if dtype != torch.float32:
+        fp32 = build(config, device, torch.float32)  # the same seed: the same weights, in fp32
+        fp32.load_state_dict({k: v.float() for k, v in model.state_dict().items()})
+        exact = loss_and_grads(fp32)
+        del fp32
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    hf_loss, hf_grads = loss_and_grads(model)
     model, report = apply_variant(model, "foak")
-    loss, grads = loss_and_grads()
+    loss, grads = loss_and_grads(model)
     log = CheckLog()
-    loss_tol, grad_tol = (1e-5, 1e-4) if dtype == torch.float32 else (1e-2, 5e-2)
-    err = relative_error(loss, ref_loss)
-    log.check(f"model_loss/{kind}", err <= loss_tol, loss=float(loss), hf_loss=float(ref_loss), rel_error=err,
-              tol=loss_tol)
-    worst = max(((relative_error(grads[n], g), n) for n, g in ref_grads.items()), default=(math.inf, "none"))
-    log.check(f"model_grads/{kind}", grads.keys() == ref_grads.keys() and worst[0] <= grad_tol,
-              worst_rel_error=worst[0], parameter=worst[1], tol=grad_tol)
+    if exact is None:  # fp32: foak against HF
+        loss_bound, grad_bound = 1e-5, 1e-4
+        ref_loss, ref_grads = hf_loss, hf_grads
+        err = relative_error(loss, ref_loss)
+        worst = max(((relative_error(grads[n], g), n, grad_bound) for n, g in ref_grads.items()),
+                    default=(math.inf, "none", grad_bound))
+    else:  # bf16: foak's and HF's errors against fp32
+        ref_loss, ref_grads = exact
+        loss_bound = max(2 * relative_error(hf_loss, ref_loss), 1e-3)
+        err = relative_error(loss, ref_loss)
+        worst = max(((relative_error(grads[n], g), n, max(2 * relative_error(hf_grads[n], g), 5e-3))
+                     for n, g in ref_grads.items()), key=lambda x: x[0] / x[2], default=(math.inf, "none", 1.0))
+    log.check(f"model_loss/{kind}", err <= loss_bound, loss=float(loss), hf_loss=float(hf_loss),
+              reference_loss=float(ref_loss), rel_error=err, bound=loss_bound)
+    log.check(f"model_grads/{kind}", grads.keys() == ref_grads.keys() and worst[0] <= worst[2],
+              worst_rel_error=worst[0], bound=worst[2], parameter=worst[1])
     windowed = window_attention_counts(report, "mistral.packed_attention")
     _, other = packed_attention_counts(report, "mistral.packed_attention")
     log.check(f"windowed_calls/{kind}", sum(windowed.values()) == config.num_hidden_layers and not other,
