@@ -377,6 +377,8 @@ def _why_not_window(module, query, key, args, kwargs, window: _WindowBatch, posi
     sliding = kwargs.get("sliding_window")
     if not isinstance(sliding, int) or isinstance(sliding, bool) or sliding < 1:
         return "a sliding window that is not a positive int"
+    if sliding != window.mask_kwargs.get("local_size"):  # the window transformers' mask would have cut
+        return "a sliding window other than the config's"
     if not isinstance(position_ids, torch.Tensor):
         return "no position_ids reach the attention layer"
     return None
