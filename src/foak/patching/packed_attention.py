@@ -672,6 +672,7 @@ def packed_attention_rule(arch: str, stack_class: type) -> Rule:
         def read_past(args, kwargs):
             past = read_cache(args, kwargs)
             return read_past_key_values(args, kwargs) if past is None else past
+
         write_ids = _argument_writer(original, "position_ids")
         # what keeps the sliding-window layers of every unpacked batch on transformers' mask
         declines = None
