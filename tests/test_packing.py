@@ -23,7 +23,7 @@ from torch import nn
 
 import foak
 from foak.ops import varlen_attention as va
-from foak.patching.packed_attention import is_registered, packed_attention_counts
+from foak.patching.packed_attention import is_registered, packed_attention_counts, window_attention_counts
 from foak.testing import relative_error
 
 VOCAB = 61
@@ -234,8 +234,10 @@ def unpacked_batches():
     return {"padded": padded, "plain": plain, "explicit": explicit, "mask+restart": with_mask}
 
 
-@pytest.mark.parametrize(("arch", "attn"), [("llama", "sdpa"), ("mistral", "sdpa"), ("qwen3", "eager")])
+@pytest.mark.parametrize(("arch", "attn"), [("llama", "sdpa"), ("qwen3", "eager")])
 def test_unpacked_batches_are_bit_identical_to_the_unpatched_model(arch, attn):
+    """(Sliding-window layers of unpacked batches take foak's windowed path: tests/test_window_attention.py and
+    test_unpacked_batches_of_a_sliding_window_model_take_the_windowed_path below.)"""
     model = build(arch, attn_implementation=attn)
     reference = copy.deepcopy(model)
     report = foak.patch(model, fast_packed_attention=True)
@@ -251,6 +253,18 @@ def test_unpacked_batches_are_bit_identical_to_the_unpatched_model(arch, attn):
     row = report.result(f"{arch}.packed_attention")
     assert f"the previous implementation ({attn}) ran 8 calls: not a packed batch (8)" in row.notes
     assert f"config._attn_implementation: {attn!r} -> 'foak'" in row.notes
+
+
+def test_unpacked_batches_of_a_sliding_window_model_take_the_windowed_path():
+    model = build("mistral")
+    reference = copy.deepcopy(model)
+    report = foak.patch(model, fast_packed_attention=True)
+    for name, batch in unpacked_batches().items():
+        out, ref = model(**batch), reference(**batch)
+        assert relative_error(out.loss, ref.loss) <= 1e-5, name
+        assert_grads_close(grads_of(model, out.loss), grads_of(reference, ref.loss), name)
+    assert packed_attention_counts(report, "mistral.packed_attention") == ({}, {})
+    assert window_attention_counts(report, "mistral.packed_attention") == {"sdpa": 4 * model.config.num_hidden_layers}
 
 
 # ---- the rule: selection, report, restore, implementations it leaves alone -------------------------------

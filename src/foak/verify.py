@@ -213,7 +213,7 @@ def _run(model, batch):
 def _call_counts(report, switch: str) -> tuple[int, dict[str, int]]:
     """(calls the rule's fused path ran, {reason: calls that took the previous path}) of ``switch``'s rows."""
     from foak.patching.moe import moe_counts
-    from foak.patching.packed_attention import packed_attention_counts
+    from foak.patching.packed_attention import packed_attention_counts, window_attention_counts
     from foak.patching.peft import fused_lora_counts
 
     fused, other = 0, {}
@@ -226,7 +226,7 @@ def _call_counts(report, switch: str) -> tuple[int, dict[str, int]]:
             n, o = moe_counts(report, r.rule_id)
         else:
             ran, o = packed_attention_counts(report, r.rule_id)
-            n = sum(ran.values())
+            n = sum(ran.values()) + sum(window_attention_counts(report, r.rule_id).values())  # sliding-window layers
         fused += n
         for why, k in o.items():
             other[why] = other.get(why, 0) + k
@@ -395,7 +395,7 @@ def _check(combo, name, model, model_kind, batch_kind, batches, reference, dtype
             continue
         fused, other = calls[s] = _call_counts(report, s)
         if s == "packed_attention" and batch_kind != "packed":
-            continue  # a padded batch takes the previous implementation, exactly: that is what it checks
+            continue  # a padded batch: the previous implementation, exactly (sliding-window layers: foak's)
         if fused == 0:
             why = ", ".join(f"{w} ({n})" for w, n in sorted(other.items())) or "it was never called"
             problems.append(f"{s}: the fused path never ran ({why})")

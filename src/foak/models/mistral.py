@@ -1,4 +1,4 @@
-"""Mistral: RMSNorm, RoPE, SwiGLU MLP, loss (sliding-window attention is untouched)."""
+"""Mistral: RMSNorm, RoPE, SwiGLU MLP, loss, packed and sliding-window attention (foak.patching.packed_attention)."""
 
 from transformers.models.mistral import modeling_mistral as modeling
 

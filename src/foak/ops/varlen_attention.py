@@ -170,6 +170,34 @@ def rows_as_sequences(batch: int, seq_len: int, device=None) -> PackedSequences:
     return PackedSequences(batch, seq_len, cu, (seq_len,) * batch, seq_len)
 
 
+def unpadded_sequences(padding_mask: torch.Tensor, device=None) -> tuple[PackedSequences, torch.Tensor | None] | None:
+    """The sequences of a left- or right-padded batch from its 2-D mask ([batch, seq_len], nonzero = token): the
+    tokens of each row are one sequence. Returns ``(seqs, index)``: ``index`` (int64 [T], on the mask's device)
+    holds the flat positions ``row * seq_len + column`` of the T tokens in row order and ``seqs`` the sequences
+    of those T tokens gathered (rows without tokens hold none); when no row has padding, ``index`` is None and
+    ``seqs`` one sequence per row (:func:`rows_as_sequences`). None when a row's tokens are not one contiguous
+    run (padding inside a row) or the batch holds no token. One device-to-host copy of the mask; the results are
+    on ``device`` (default: the mask's)."""
+    if not isinstance(padding_mask, torch.Tensor) or padding_mask.dim() != 2:
+        raise ValueError("unpadded_sequences: padding_mask must be a tensor [batch, seq_len], got "
+                         f"{type(padding_mask).__name__} {tuple(getattr(padding_mask, 'shape', ()))}")
+    batch, seq_len = padding_mask.shape
+    device = padding_mask.device if device is None else device
+    host = padding_mask.detach().to("cpu") != 0
+    lengths = host.sum(1)
+    if bool((lengths == seq_len).all()):
+        return rows_as_sequences(batch, seq_len, device), None
+    first = host.to(torch.uint8).argmax(1)  # the first token of each row (0 for a row without tokens)
+    column = torch.arange(seq_len)
+    run = (column >= first[:, None]) & (column < (first + lengths)[:, None])
+    if not torch.equal(run, host) or int(lengths.sum()) == 0:
+        return None
+    index = (torch.arange(batch)[:, None] * seq_len + column).masked_select(host)
+    kept = tuple(int(n) for n in lengths.tolist() if n)
+    seqs = sequences_from_lengths(kept, device)
+    return seqs, index.to(device)
+
+
 def sequences_from_lengths(lengths, device=None, batch: int = 1) -> PackedSequences:
     """:class:`PackedSequences` of ``batch`` rows holding sequences of these lengths in order (rows must
     split at sequence boundaries). For tests and benchmarks."""

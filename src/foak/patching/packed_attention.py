@@ -29,6 +29,29 @@ training, an attention-logit softcap, ``output_attentions``, positional extra ar
 earlier tokens) run the previous implementation and are counted. None of foak's architectures has an
 attention softcap. GPTBigCode's attention receives no position_ids: it has no rule.
 
+Sliding-window layers of UNPACKED batches (Mistral's ``sliding_window``, ``layer_types`` holding
+``sliding_attention``: Qwen2/3, Gemma's local layers): transformers builds a dense [B, 1, S, S] sliding-window
+mask for them (``create_sliding_window_causal_mask``, which calls the mask function with
+``local_size=config.sliding_window``, in 5.17 as in 5.24), and SDPA leaves its flash kernel. The stack's forward
+also decides, once per batch, whether its sliding-window layers run foak's path (:class:`_WindowBatch`): no
+attention mask (each row one sequence; no host read), or a 2-D padding mask whose tokens are one run per row
+(left or right padding: one host read of the mask, the tokens gathered to varlen sequences and the output
+scattered back, zeros at the padded positions as SDPA leaves a query that sees no key). Then the mask function
+returns None for the plain sliding-window mask (no overlay, no offsets, the batch's own size), and every layer
+called with ``sliding_window`` and no mask runs ``varlen_attention`` with the window. Full-attention layers get
+transformers' mask and the previous implementation as before (bit-identical). Whether the window covers the
+whole sequence or not, the path is the same (then it is plain causal attention, as flash computes it). A call
+it cannot take (positional arguments, output_attentions, softcap, ``s_aux`` sinks, dropout, a cache with
+earlier tokens) gets transformers' sliding-window mask after all (built from the arguments the mask function
+recorded, once per forward) and the previous implementation, counted with the reason. Whole batches that keep
+transformers' mask, counted per sliding-window call: attention sinks or a softcap in the model (gpt-oss,
+Gemma2), attention dropout in training, a cache holding earlier tokens, a padding mask with gaps, left padding
+under ``eager`` (eager's mask makes a padding position's softmax uniform over the whole row, and the usual
+shifted labels read that position's output), a prepared 4-D mask, and torch.compile (no host read while
+tracing; not counted: compiled calls never are). A layer recomputed in the backward (gradient checkpointing,
+reentrant or not) finds its batch through the position ids it receives (each such forward gets ids of its own,
+copied if given; see ``_WINDOWS``).
+
 Models whose config names another implementation are left alone and say why in the row:
 ``flash_attention_*`` already run packed batches per sequence (varlen from position_ids), ``flex_attention``
 keeps them apart with its block mask.
@@ -77,19 +100,25 @@ class _Counts:
     def __init__(self, row, previous: str):
         self.row, self.previous = row, previous
         self.packed: dict[str, int] = {}  # backend -> calls
+        self.windowed: dict[str, int] = {}  # backend -> calls of sliding-window layers on unpacked batches
         self.other: dict[str, int] = {}  # reason -> calls of the previous implementation
 
-    def count(self, backend: str | None, reason: str | None = None) -> None:
+    def count(self, backend: str | None, reason: str | None = None, windowed: bool = False) -> None:
         if torch.compiler.is_compiling():
             return
         if backend is not None:
-            self.packed[backend] = self.packed.get(backend, 0) + 1
+            ran = self.windowed if windowed else self.packed
+            ran[backend] = ran.get(backend, 0) + 1
         else:
             self.other[reason] = self.other.get(reason, 0) + 1
         packed = sum(self.packed.values())
         text = f"foak varlen attention ran {_calls(packed)}"
         if self.packed:
             text += " (" + ", ".join(f"{b} {n}" for b, n in sorted(self.packed.items())) + ")"
+        if self.windowed:
+            text += (f"; sliding-window layers of unpacked batches: foak varlen attention ran "
+                     f"{_calls(sum(self.windowed.values()))} ("
+                     + ", ".join(f"{b} {n}" for b, n in sorted(self.windowed.items())) + ")")
         if self.other:
             reasons = ", ".join(f"{why} ({n})" for why, n in sorted(self.other.items()))
             text += f"; the previous implementation ({self.previous}) ran {_calls(sum(self.other.values()))}: {reasons}"
@@ -140,14 +169,23 @@ def packed_attention_counts(report, rule_id: str) -> tuple[dict[str, int], dict[
     return ({}, {}) if counts is None else (dict(counts.packed), dict(counts.other))
 
 
+def window_attention_counts(report, rule_id: str) -> dict[str, int]:
+    """{backend: calls of sliding-window layers on unpacked batches that foak's varlen attention ran} of a
+    report's row (the calls of the previous implementation are in :func:`packed_attention_counts`)."""
+    counts = _COUNTS.get((id(report), rule_id))
+    return {} if counts is None else dict(counts.windowed)
+
+
 # ---- the batch: packed or not, decided once per forward ---------------------------------------------
 
 
 class _Forward:
-    __slots__ = ("config", "entry", "position_ids", "seqs")
+    __slots__ = ("config", "entry", "position_ids", "seqs", "window", "window_reason")
 
-    def __init__(self, config, entry, position_ids, seqs):
+    def __init__(self, config, entry, position_ids, seqs, window=None, window_reason=None):
         self.config, self.entry, self.position_ids, self.seqs = config, entry, position_ids, seqs
+        # the batch as the sliding-window layers see it (_WindowBatch), or why they keep transformers' mask
+        self.window, self.window_reason = window, window_reason
 
 
 class _Current(threading.local):
@@ -180,6 +218,198 @@ def _remember(position_ids: torch.Tensor, batch: int, seqs) -> None:
 
 def _sequences_of(position_ids: torch.Tensor, batch: int):
     return _varlen.sequences_of(position_ids, batch) if position_ids.dim() == 2 else None
+
+
+# ---- sliding-window layers of unpacked batches ----------------------------------------------------------
+# A batch that is not packed (no attention mask, or a 2-D padding mask: left or right padding) is decided once
+# per stack forward. Then the mask function returns no mask for transformers' sliding-window mask
+# (``create_sliding_window_causal_mask`` calls it with ``local_size=config.sliding_window``) and every layer
+# called with ``sliding_window`` and no mask runs varlen_attention on the batch's tokens (gathered from a
+# padded batch, its output scattered back: zeros at the padded positions). The masks of the full-attention
+# layers are built as before and those layers run the previous implementation, unchanged.
+#
+# A layer recomputed in the backward (gradient checkpointing) runs outside the stack's forward: it finds its
+# batch again through the position_ids it receives (the same tensor, or a detached alias of it under
+# reentrant checkpointing: same storage and version counter), kept in _WINDOWS. Each forward gets position
+# ids of its own (transformers makes them when none are given; given ones are copied), so two batches never
+# share them.
+
+
+class _WindowBatch:
+    """An unpacked batch as its sliding-window layers see it: ``seqs`` (varlen sequences of its tokens),
+    ``index`` (flat positions of the tokens of a padded batch, None when no row has padding), ``has_mask``
+    (a 2-D mask was given), the keyword arguments transformers' sliding-window mask was asked with (to build
+    that mask after all for a call foak's path declines) and ``mask_reason`` (why a sliding-window mask was
+    built anyway)."""
+
+    __slots__ = ("batch", "seq_len", "seqs", "index", "has_mask", "mask_kwargs", "mask_reason", "ids", "_mask")
+
+    def __init__(self, batch, seq_len, seqs, index, has_mask):
+        self.batch, self.seq_len, self.seqs, self.index, self.has_mask = batch, seq_len, seqs, index, has_mask
+        self.mask_kwargs = self.mask_reason = self.ids = None
+        self._mask = {}
+
+    def previous_mask(self, previous: str):
+        """transformers' sliding-window mask for this batch (built once per forward, for a declined call)."""
+        if previous not in self._mask:
+            self._mask[previous] = _hf()[1][previous](**self.mask_kwargs)
+        return self._mask[previous]
+
+
+_WINDOWS: dict[tuple, tuple] = {}  # (device, data_ptr, shape) of position ids -> (the ids, their version, batch)
+_WINDOWS_SIZE = 64  # forwards whose layers may still be recomputed; the ids are held, so no address is reused
+
+
+def _remember_window(position_ids: torch.Tensor, window: _WindowBatch | None) -> None:
+    key = (str(position_ids.device), position_ids.data_ptr(), tuple(position_ids.shape))
+    _WINDOWS.pop(key, None)
+    _WINDOWS[key] = (position_ids, position_ids._version, window)
+    while len(_WINDOWS) > _WINDOWS_SIZE:
+        try:
+            _WINDOWS.pop(next(iter(_WINDOWS)), None)
+        except (StopIteration, RuntimeError):
+            break
+
+
+_UNKNOWN = object()
+
+
+def _recalled_window(position_ids) -> _WindowBatch | None | object:
+    """The _WindowBatch (or None: not one) remembered for these position ids, _UNKNOWN when none is."""
+    if not isinstance(position_ids, torch.Tensor) or torch.compiler.is_compiling():
+        return _UNKNOWN
+    item = _WINDOWS.get((str(position_ids.device), position_ids.data_ptr(), tuple(position_ids.shape)))
+    if item is None or item[1] != position_ids._version:
+        return _UNKNOWN
+    return item[2]
+
+
+def _window_of_config(config) -> int | None:
+    window = getattr(config, "sliding_window", None)
+    if not isinstance(window, int) or isinstance(window, bool) or window < 1:
+        return None
+    layer_types = getattr(config, "layer_types", None)
+    if isinstance(layer_types, (list, tuple)) and "sliding_attention" not in layer_types:
+        return None
+    return window
+
+
+def _window_batch(module, declines: str | None, mask, past, source, position_ids, dropout: bool, previous: str):
+    """(_WindowBatch, None) for an unpacked batch whose sliding-window layers foak computes, else (None, why
+    not; None where the model has no sliding-window layer)."""
+    config = module.config
+    if _window_of_config(config) is None:
+        return None, None
+    if declines is not None:
+        return None, declines
+    if torch.compiler.is_compiling():  # reading a padding mask would be a graph break; not counted while compiled
+        return None, "torch.compile"
+    if not getattr(config, "is_causal", True):
+        return None, "non-causal attention"
+    if dropout:
+        return None, "attention dropout"
+    if not isinstance(source, torch.Tensor) or source.dim() < 2:
+        return None, "no input_ids or inputs_embeds"
+    if position_ids is not None and (not isinstance(position_ids, torch.Tensor) or position_ids.dim() != 2):
+        return None, "position_ids that are not [batch, seq_len]"
+    if past is not None:
+        try:
+            seen = int(past.get_seq_length())
+        except Exception:  # noqa: BLE001 - a cache foak does not know: keep transformers' mask
+            return None, "a KV cache foak cannot read"
+        if seen:
+            return None, "a KV cache holding earlier tokens"
+    batch, seq_len = source.shape[0], source.shape[1]
+    if mask is None:
+        seqs, index = _varlen.rows_as_sequences(batch, seq_len, source.device), None
+    elif not isinstance(mask, torch.Tensor) or mask.dim() != 2 or tuple(mask.shape) != (batch, seq_len):
+        return None, "an attention mask that is not a [batch, seq_len] padding mask"
+    else:
+        host = mask.detach().to("cpu")  # the one host read of the batch
+        found = _varlen.unpadded_sequences(host, device=source.device)
+        if found is None:
+            return None, "a padding mask that is not left or right padding"
+        seqs, index = found
+        if index is not None and previous == "eager" and not bool((host[:, 0] != 0).all()):
+            # transformers' eager mask adds finfo.min to every score of a position before a row's first token:
+            # a uniform softmax over the whole row, whose output (and its gradient) the loss sees where the last
+            # such position predicts the first token; SDPA, and foak, leave zeros there
+            return None, "left padding under eager attention"
+    return _WindowBatch(batch, seq_len, seqs, index, mask is not None), None
+
+
+def _plain_sliding_mask(kwargs, window: _WindowBatch) -> str | None:
+    """None when the mask function was asked for transformers' plain sliding-window causal mask (with padding
+    at most) of ``window``'s batch, else why foak builds it as before. Not a sliding-window mask: ''."""
+    config = kwargs.get("config")
+    local = kwargs.get("local_size")
+    if local is None or local != _window_of_config(config) or local == getattr(config, "attention_chunk_size", None):
+        return ""
+    if kwargs.get("use_vmap") or kwargs.get("allow_is_causal_skip") is False:
+        return "a sliding-window mask with extra patterns"
+    if (kwargs.get("batch_size") != window.batch or kwargs.get("q_length") != window.seq_len
+            or kwargs.get("kv_length") != window.seq_len):
+        return "a sliding-window mask of another size than the batch"
+    if any(not isinstance(kwargs.get(k, 0), int) or kwargs.get(k, 0) != 0 for k in ("q_offset", "kv_offset")):
+        return "a sliding-window mask with offsets"
+    if (kwargs.get("attention_mask") is not None) != window.has_mask:
+        return "a sliding-window mask of another padding than the batch"
+    return None
+
+
+def _why_not_window(module, query, key, args, kwargs, window: _WindowBatch, position_ids) -> str | None:
+    if args:
+        return "positional arguments after the attention mask"
+    if key.shape[2] != query.shape[2]:
+        return "a KV cache holding earlier tokens"
+    if query.shape[0] != window.batch or query.shape[2] != window.seq_len:
+        return "a query of another shape than the batch"
+    if kwargs.get("dropout"):
+        return "attention dropout"
+    if kwargs.get("softcap") is not None:
+        return "an attention-logit softcap"
+    if kwargs.get("s_aux") is not None or getattr(module, "sinks", None) is not None:
+        return "attention sinks"
+    if kwargs.get("output_attentions"):
+        return "output_attentions"
+    if kwargs.get("is_causal", getattr(module, "is_causal", True)) is False:
+        return "non-causal attention"
+    sliding = kwargs.get("sliding_window")
+    if not isinstance(sliding, int) or isinstance(sliding, bool) or sliding < 1:
+        return "a sliding window that is not a positive int"
+    if sliding != window.mask_kwargs.get("local_size"):  # the window transformers' mask would have cut
+        return "a sliding window other than the config's"
+    if not isinstance(position_ids, torch.Tensor):
+        return "no position_ids reach the attention layer"
+    return None
+
+
+def _window_attention(module, entry, window: _WindowBatch, query, key, value, args, kwargs):
+    """A sliding-window layer's call on an unpacked batch whose mask function built no mask."""
+    reason = _why_not_window(module, query, key, args, kwargs, window, kwargs.get("position_ids"))
+    if reason is not None:  # transformers' sliding-window mask after all, and the previous implementation
+        mask = window.previous_mask(entry.previous)
+        out = _previous_function(module, entry.previous)(module, query, key, value, mask, *args, **kwargs)
+        entry.counts.count(None, reason)
+        return out
+    B, Hq, S, D = query.shape
+    Dv = value.shape[3]
+    q = query.transpose(1, 2).reshape(B * S, Hq, D)
+    k = key.transpose(1, 2).reshape(B * S, key.shape[1], D)
+    v = value.transpose(1, 2).reshape(B * S, value.shape[1], Dv)
+    device_type = query.device.type
+    if torch.is_autocast_enabled(device_type):
+        dtype = torch.get_autocast_dtype(device_type)
+        q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
+    if window.index is not None:  # the tokens of a padded batch
+        q, k, v = (t.index_select(0, window.index) for t in (q, k, v))
+    backend = _varlen.resolve_backend(q, v)
+    out = _varlen.varlen_attention(q, k, v, window.seqs, scale=kwargs.get("scaling"),
+                                   window=kwargs["sliding_window"], backend=backend)
+    if window.index is not None:  # zeros at the padded positions, as SDPA leaves a query that sees no key
+        out = out.new_zeros((B * S, Hq, Dv)).index_copy(0, window.index, out)
+    entry.counts.count(backend, windowed=True)
+    return out.reshape(B, S, Hq, Dv), None
 
 
 # ---- the functions transformers dispatches to ---------------------------------------------------------
@@ -239,6 +469,11 @@ def foak_attention_forward(module: nn.Module, query: torch.Tensor, key: torch.Te
         return _hf()[0]["sdpa"](module, query, key, value, attention_mask, *args, **kwargs)
     position_ids = kwargs.get("position_ids")
     current = _CURRENT.forward
+    if kwargs.get("sliding_window") is not None and attention_mask is None:
+        window = _window_call_of(entry, current, position_ids, query.shape[0], query.shape[2],
+                                 kwargs["sliding_window"])
+        if window is not None:
+            return _window_attention(module, entry, window, query, key, value, args, kwargs)
     if current is not None and current.entry is entry:
         seqs = current.seqs
         if position_ids is None and seqs is not None:  # the mask function built no mask for this batch
@@ -262,6 +497,9 @@ def foak_attention_forward(module: nn.Module, query: torch.Tensor, key: torch.Te
                            f"{reason}, which foak's packed path does not compute and which needs transformers' "
                            "block-causal mask; disable fast_packed_attention for this model")
     if reason is not None:
+        if (reason == "not a packed batch" and kwargs.get("sliding_window") is not None and current is not None
+                and current.entry is entry):  # a sliding-window layer: why it keeps transformers' mask
+            reason = (current.window.mask_reason if current.window is not None else current.window_reason) or reason
         out = _previous_function(module, entry.previous)(module, query, key, value, attention_mask, *args, **kwargs)
         entry.counts.count(None, reason)
         return out
@@ -285,9 +523,34 @@ def foak_attention_forward(module: nn.Module, query: torch.Tensor, key: torch.Te
     return out.reshape(B, S, Hq, value.shape[3]), None
 
 
+def _window_call_of(entry, current, position_ids, batch: int, seq_len: int, sliding):
+    """The _WindowBatch a sliding-window layer's call without a mask computes, or None (no mask from
+    transformers itself: the previous implementation)."""
+    if current is not None and current.entry is entry:
+        window = current.window
+        if window is None or window.mask_kwargs is None:  # the mask function was not asked for its window mask
+            return None
+        if isinstance(position_ids, torch.Tensor) and position_ids is not window.ids and \
+                not torch.compiler.is_compiling():
+            window.ids = position_ids  # found again by a layer recomputed in the backward
+            _remember_window(position_ids, window)
+        return window
+    window = _recalled_window(position_ids)  # a layer recomputed in the backward (gradient checkpointing)
+    if window is not _UNKNOWN:
+        return window
+    if isinstance(sliding, int) and seq_len >= sliding and not torch.compiler.is_compiling() \
+            and not (isinstance(position_ids, torch.Tensor) and _sequences_of(position_ids, batch) is not None):
+        # transformers never leaves a window this short without a mask: it was foak's batch, now forgotten
+        raise RuntimeError("foak packed attention: a sliding-window layer recomputed outside its stack's forward "
+                           "cannot find its batch (no position_ids reach the attention, or more than "
+                           f"{_WINDOWS_SIZE} forwards before its backward)")
+    return None
+
+
 def foak_attention_mask(**kwargs):
     """transformers' attention-mask-function signature (keyword arguments). No mask for the packed batch of
-    a patched stack's forward; otherwise exactly the previous implementation's mask."""
+    a patched stack's forward, nor for the sliding-window mask of its unpacked batch (see _WindowBatch);
+    otherwise exactly the previous implementation's mask."""
     config = kwargs.get("config")
     current = _CURRENT.forward
     if current is not None and current.config is config:
@@ -295,6 +558,15 @@ def foak_attention_mask(**kwargs):
                 and kwargs.get("batch_size") == current.seqs.batch
                 and kwargs.get("q_length") == current.seqs.seq_len == kwargs.get("kv_length")):
             return None
+        window = current.window
+        if window is not None:
+            why = _plain_sliding_mask(kwargs, window)
+            if why is None:
+                if window.mask_kwargs is None:
+                    window.mask_kwargs = dict(kwargs)
+                return None
+            if why:
+                window.mask_reason = why
         previous = current.entry.previous
     else:
         previous = _previous_of(config) or "sdpa"
@@ -347,6 +619,24 @@ def _argument_reader(forward, name: str):
     return read
 
 
+def _argument_writer(forward, name: str):
+    """A function (args, kwargs, value) -> (args, kwargs) with argument ``name`` of ``forward``'s call set."""
+    try:
+        names = list(inspect.signature(forward).parameters)
+    except (TypeError, ValueError):
+        names = []
+    index = names.index(name) if name in names else None
+
+    def write(args, kwargs, value):
+        if index is not None and index < len(args) and name not in kwargs:
+            args = (*args[:index], value, *args[index + 1:])
+        else:
+            kwargs = {**kwargs, name: value}
+        return args, kwargs
+
+    return write
+
+
 def packed_attention_rule(arch: str, stack_class: type) -> Rule:
     """The ``fast_packed_attention`` rule of a decoder whose stack (``<Arch>Model``) is ``stack_class``."""
     rule_id = f"{arch}.packed_attention"
@@ -383,28 +673,52 @@ def packed_attention_rule(arch: str, stack_class: type) -> Rule:
         read_mask = _argument_reader(original, "attention_mask")
         read_input = _argument_reader(original, "input_ids")
         read_embeds = _argument_reader(original, "inputs_embeds")
+        read_cache = _argument_reader(original, "cache")  # transformers >= 5.2x; "past_key_values" before
+        read_past_key_values = _argument_reader(original, "past_key_values")
+
+        def read_past(args, kwargs):
+            past = read_cache(args, kwargs)
+            return read_past_key_values(args, kwargs) if past is None else past
+
+        write_ids = _argument_writer(original, "position_ids")
+        # what keeps the sliding-window layers of every unpacked batch on transformers' mask
+        declines = None
+        if any(getattr(m, "sinks", None) is not None for m in module.modules()):
+            declines = "attention sinks"
+        elif getattr(config, "attn_logit_softcapping", None) is not None:
+            declines = "an attention-logit softcap"
 
         def forward(self, *args, **kwargs):
             position_ids = read_ids(args, kwargs)
+            mask = read_mask(args, kwargs)
             seqs = None
             # attention dropout in training: the packed path has none, so the batch keeps transformers' mask
             # and the previous implementation (counted as "attention dropout")
             dropout = self.training and float(getattr(self.config, "attention_dropout", 0.0) or 0.0) > 0
-            if isinstance(position_ids, torch.Tensor) and read_mask(args, kwargs) is None and position_ids.dim() == 2 \
-                    and not dropout:
-                source = read_input(args, kwargs)
-                source = read_embeds(args, kwargs) if source is None else source
+            source = read_input(args, kwargs)
+            source = read_embeds(args, kwargs) if source is None else source
+            if isinstance(position_ids, torch.Tensor) and mask is None and position_ids.dim() == 2 and not dropout:
                 batch = source.shape[0] if isinstance(source, torch.Tensor) else position_ids.shape[0]
                 if torch.compiler.is_compiling():  # packed or not is decided when the attention op runs
                     seqs = _AtRunTime(batch, position_ids.shape[1])
                 else:
                     seqs = _sequences_of(position_ids, batch)
+            window = reason = None
+            if seqs is None:
+                window, reason = _window_batch(self, declines, mask, read_past(args, kwargs), source, position_ids,
+                                               dropout, self.__dict__[_ENTRY_ATTR].previous)
+                if window is not None and isinstance(position_ids, torch.Tensor):
+                    # ids of this forward's own, by which a recomputed layer finds its batch (see _WINDOWS)
+                    position_ids = position_ids.clone()
+                    args, kwargs = write_ids(args, kwargs, position_ids)
             outer = _CURRENT.forward
-            _CURRENT.forward = _Forward(self.config, self.__dict__[_ENTRY_ATTR], position_ids, seqs)
+            _CURRENT.forward = _Forward(self.config, self.__dict__[_ENTRY_ATTR], position_ids, seqs, window, reason)
             try:
                 return call_next(self, rule_id, *args, **kwargs)
             finally:
                 _CURRENT.forward = outer
+                if window is not None:
+                    window._mask.clear()  # a mask built for declined calls: not kept beyond the forward
 
         globals_.acquire_for(module, state, "packed_attention", _install)
         # the config object may be shared by several models: selected while any patched model uses it
