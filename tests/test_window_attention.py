@@ -226,6 +226,10 @@ def test_batches_the_window_path_declines_are_bit_identical_to_transformers(what
     (out, grads), (ref_out, ref_grads) = run(model, batch), run(reference, batch)
     assert torch.equal(out.logits, ref_out.logits)
     assert all(torch.equal(grads[n], ref_grads[n]) for n in ref_grads)
+    if what == "sinks":  # a stack with attention sinks is not patched at all: the row says why
+        row = report.result("mistral.packed_attention")
+        assert row.modules == 0 and reason in row.note, str(report)
+        return
     assert packed_attention_counts(report, "mistral.packed_attention") == ({}, {reason: 2})
     assert window_attention_counts(report, "mistral.packed_attention") == {}
 
