@@ -1,9 +1,12 @@
 """RMSNorm, forward and backward (input and weight gradients), with an optional fused residual add.
 
-Two weight conventions, both matching HuggingFace bit for bit in their casting:
+Three weight conventions, each matching HuggingFace bit for bit in its casting:
 - ``mode="llama"``: normalise in fp32, cast to the input dtype, then multiply by ``weight``
   (the output dtype is the promotion of the input and weight dtypes, as in ``LlamaRMSNorm``).
 - ``mode="gemma"``: normalise in fp32, multiply by ``1 + weight`` in fp32, cast to the input dtype.
+- ``mode="olmo"``: normalise in fp32, multiply by ``weight`` in fp32, cast to the input dtype
+  (``Olmo2RMSNorm``'s ``(weight * hidden).to(input_dtype)``: in bf16 the product is rounded once, not the
+  normalised input first as in "llama").
 
 With ``residual=r`` the op returns ``(rms_norm(x + r), x + r)``: the sum is rounded to the input dtype
 first (as the HF decoder layer does) and both outputs are written in one pass.
@@ -23,7 +26,7 @@ from foak.ops._custom_op import custom_op
 from foak.ops._inplace import can_overwrite, claim
 from foak.ops._recompute import offer
 
-MODES = ("llama", "gemma")
+MODES = ("llama", "gemma", "olmo")
 MAX_HIDDEN = 65536
 # Rows up to this many columns are held in registers (one pass over memory); wider rows are
 # processed in chunks of _CHUNK columns with a second pass.
@@ -52,6 +55,8 @@ def rms_norm_reference(
     h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
     if mode == "gemma":
         y = (h * (1.0 + weight.float())).to(x.dtype)
+    elif mode == "olmo":
+        y = (h * weight.float()).to(x.dtype)
     else:
         y = weight * h.to(x.dtype)
     return y if total is None else (y, total)
@@ -62,7 +67,8 @@ def rms_norm_reference(
 def _rms_norm_forward_kernel(
     X, x_stride, R, r_stride, S, s_stride, Y, y_stride, W, RSTD,
     n_cols, eps,
-    GEMMA: tl.constexpr, HAS_RESIDUAL: tl.constexpr, SINGLE: tl.constexpr, BLOCK: tl.constexpr,
+    FP32_PRODUCT: tl.constexpr, PLUS_ONE: tl.constexpr, HAS_RESIDUAL: tl.constexpr, SINGLE: tl.constexpr,
+    BLOCK: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
@@ -81,9 +87,11 @@ def _rms_norm_forward_kernel(
             x = x.to(tl.float32)
         rstd = 1.0 / tl.sqrt(tl.sum(x * x, axis=0) / n_cols + eps)
         w = tl.load(W + cols, mask=mask, other=0.0).to(tl.float32)
+        if PLUS_ONE:
+            w = 1.0 + w
         h = x * rstd
-        if GEMMA:
-            y = h * (1.0 + w)
+        if FP32_PRODUCT:
+            y = h * w
         else:
             y = h.to(X.dtype.element_ty).to(tl.float32) * w
         tl.store(y_row + cols, y.to(Y.dtype.element_ty), mask=mask)
@@ -108,9 +116,11 @@ def _rms_norm_forward_kernel(
             else:
                 x = tl.load(x_row + c, mask=mask, other=0.0).to(tl.float32)
             w = tl.load(W + c, mask=mask, other=0.0).to(tl.float32)
+            if PLUS_ONE:
+                w = 1.0 + w
             h = x * rstd
-            if GEMMA:
-                y = h * (1.0 + w)
+            if FP32_PRODUCT:
+                y = h * w
             else:
                 y = h.to(X.dtype.element_ty).to(tl.float32) * w
             tl.store(y_row + c, y.to(Y.dtype.element_ty), mask=mask)
@@ -121,7 +131,8 @@ def _rms_norm_forward_kernel(
 def _rms_norm_backward_kernel(
     DY, dy_stride, X, x_stride, W, RSTD, DS, ds_stride, DX, dx_stride, DW_PARTIAL,
     n_rows, n_cols, rows_per_program,
-    GEMMA: tl.constexpr, HAS_DS: tl.constexpr, SINGLE: tl.constexpr, BLOCK: tl.constexpr,
+    FP32_PRODUCT: tl.constexpr, PLUS_ONE: tl.constexpr, HAS_DS: tl.constexpr, SINGLE: tl.constexpr,
+    BLOCK: tl.constexpr,
 ):
     # Each program owns a contiguous band of rows and one row of DW_PARTIAL (fp32), so the weight
     # gradient needs no atomics: the host sums the partial rows afterwards.
@@ -133,7 +144,7 @@ def _rms_norm_backward_kernel(
     if SINGLE:
         mask = cols < n_cols
         w = tl.load(W + cols, mask=mask, other=0.0).to(tl.float32)
-        if GEMMA:
+        if PLUS_ONE:
             w = w + 1.0
         dw = tl.zeros([BLOCK], dtype=tl.float32)
         for row in range(first, last):
@@ -141,7 +152,7 @@ def _rms_norm_backward_kernel(
             dy = tl.load(DY + row * dy_stride + cols, mask=mask, other=0.0).to(tl.float32)
             rstd = tl.load(RSTD + row)
             h = x * rstd
-            if GEMMA:
+            if FP32_PRODUCT:
                 dw += dy * h
             else:
                 dw += dy * h.to(X.dtype.element_ty).to(tl.float32)
@@ -161,7 +172,7 @@ def _rms_norm_backward_kernel(
                 x = tl.load(X + row * x_stride + c, mask=mask, other=0.0).to(tl.float32)
                 dy = tl.load(DY + row * dy_stride + c, mask=mask, other=0.0).to(tl.float32)
                 w = tl.load(W + c, mask=mask, other=0.0).to(tl.float32)
-                if GEMMA:
+                if PLUS_ONE:
                     w = w + 1.0
                 acc += dy * w * x
             mean_gh = tl.sum(acc, axis=0) * rstd / n_cols
@@ -171,7 +182,7 @@ def _rms_norm_backward_kernel(
                 x = tl.load(X + row * x_stride + c, mask=mask, other=0.0).to(tl.float32)
                 dy = tl.load(DY + row * dy_stride + c, mask=mask, other=0.0).to(tl.float32)
                 w = tl.load(W + c, mask=mask, other=0.0).to(tl.float32)
-                if GEMMA:
+                if PLUS_ONE:
                     w = w + 1.0
                 h = x * rstd
                 dx = (dy * w - h * mean_gh) * rstd
@@ -179,7 +190,7 @@ def _rms_norm_backward_kernel(
                     dx += tl.load(DS + row * ds_stride + c, mask=mask, other=0.0).to(tl.float32)
                 tl.store(DX + row * dx_stride + c, dx.to(DX.dtype.element_ty), mask=mask)
                 # the partial row belongs to this program alone: read-modify-write is race free
-                if GEMMA:
+                if FP32_PRODUCT:
                     contrib = dy * h
                 else:
                     contrib = dy * h.to(X.dtype.element_ty).to(tl.float32)
@@ -198,7 +209,7 @@ def _block_config(n_cols: int) -> tuple[bool, int, int]:
 
 
 def _output_dtype(x: torch.Tensor, weight: torch.Tensor, mode: str) -> torch.dtype:
-    return x.dtype if mode == "gemma" else torch.promote_types(x.dtype, weight.dtype)
+    return torch.promote_types(x.dtype, weight.dtype) if mode == "llama" else x.dtype
 
 
 def _forward_launch(x, weight, residual, eps: float, mode: str):
@@ -218,7 +229,8 @@ def _forward_launch(x, weight, residual, eps: float, mode: str):
         _rms_norm_forward_kernel[(n_rows,)](
             x2, x2.stride(0), r2, r2.stride(0), total, total.stride(0), y, y.stride(0), weight, rstd,
             n_cols, eps,
-            GEMMA=mode == "gemma", HAS_RESIDUAL=residual is not None, SINGLE=single, BLOCK=block,
+            FP32_PRODUCT=mode != "llama", PLUS_ONE=mode == "gemma", HAS_RESIDUAL=residual is not None,
+            SINGLE=single, BLOCK=block,
             num_warps=num_warps,
         )
     y = y.view(x.shape)
@@ -258,7 +270,8 @@ def _backward_launch(dy, x, weight, rstd, d_total, mode: str, dx=None):
         _rms_norm_backward_kernel[(programs,)](
             dy2, dy2.stride(0), x2, x2.stride(0), weight, rstd, ds2, ds2.stride(0), dx, dx.stride(0),
             dw_partial, n_rows, n_cols, rows_per_program,
-            GEMMA=mode == "gemma", HAS_DS=d_total is not None, SINGLE=single, BLOCK=block,
+            FP32_PRODUCT=mode != "llama", PLUS_ONE=mode == "gemma", HAS_DS=d_total is not None,
+            SINGLE=single, BLOCK=block,
             num_warps=num_warps,
         )
     else:
