@@ -131,3 +131,13 @@ def test_phi3_fused_gate_up_under_lora(targets, fused_calls, patched):
         assert "2 forwards as fused LoRA MLP blocks" in mlp_note
     else:  # down_proj a plain Linear: foak's glu_linear after the fused gate_up LoRA call
         assert "LoRA MLP blocks" not in mlp_note
+
+
+def test_foak_train_default_lora_targets_follow_fused_projections():
+    from foak.train import DEFAULT_TARGETS, default_targets
+
+    names = lambda model: {n.rsplit(".", 1)[-1] for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)}
+    assert default_targets(names(tiny_model("phi3"))) == ["qkv_proj", "o_proj", "gate_up_proj", "down_proj"]
+    assert default_targets(names(tiny_model("glm4"))) == ["q_proj", "k_proj", "v_proj", "o_proj", "gate_up_proj",
+                                                          "down_proj"]
+    assert default_targets(names(tiny_model("olmo2"))) == DEFAULT_TARGETS
