@@ -141,3 +141,21 @@ def test_foak_train_default_lora_targets_follow_fused_projections():
     assert default_targets(names(tiny_model("glm4"))) == ["q_proj", "k_proj", "v_proj", "o_proj", "gate_up_proj",
                                                           "down_proj"]
     assert default_targets(names(tiny_model("olmo2"))) == DEFAULT_TARGETS
+
+
+@pytest.mark.parametrize("arch", ["olmo2", "olmo3"])
+def test_olmo_rope_keeps_q_dtype_in_bf16(arch, patched):
+    # OLMo's rotary embedding keeps cos/sin in fp32 and its apply_rotary_pos_emb casts q, k back to their own
+    # dtype: in a bf16 model a promoted (fp32) q next to a bf16 v would break the attention
+    model = tiny_model(arch).to(torch.bfloat16)
+    ref = copy.deepcopy(model)
+    foak.set_backend("reference")
+    patched.append(model)
+    foak.patch(model)
+    ids = torch.randint(3, 300, (2, 9), generator=torch.Generator().manual_seed(6))
+    loss, ref_loss = model(input_ids=ids, labels=ids).loss, ref(input_ids=ids, labels=ids).loss
+    loss.backward()
+    ref_loss.backward()
+    assert relative_error(loss, ref_loss) < 1e-2
+    g, rg = model.model.layers[0].self_attn.q_norm.weight.grad, ref.model.layers[0].self_attn.q_norm.weight.grad
+    assert relative_error(g, rg) < 5e-2

@@ -210,10 +210,11 @@ class _ThreadFlag(threading.local):
 _ROPE_ACTIVE = _ThreadFlag()
 
 
-def _foak_apply_rotary_pos_emb(original, interleaved: bool = False):
-    def apply_rotary_pos_emb(q, k, cos, sin, *args, **kwargs):
-        if not _ROPE_ACTIVE.on:
-            return original(q, k, cos, sin, *args, **kwargs)
+def _foak_apply_rotary_pos_emb(original, interleaved: bool = False, input_dtype: bool = False):
+    """``input_dtype``: the modeling function casts its outputs back to q's / k's dtype (OLMo's), where HF's
+    usual one returns the promoted dtype of q and cos."""
+
+    def foak_rope(q, k, cos, sin, *args, **kwargs):
         unsqueeze_dim = kwargs.pop("unsqueeze_dim", args[0] if args else 1)
         if kwargs or len(args) > 1:
             raise TypeError(f"foak rope: unexpected arguments {args[1:]}, {kwargs} for apply_rotary_pos_emb")
@@ -224,23 +225,33 @@ def _foak_apply_rotary_pos_emb(original, interleaved: bool = False):
             raise ValueError(f"foak rope: unsqueeze_dim={unsqueeze_dim} is not supported (1 or 2)")
         return rope(q, k, cos, sin, interleaved=interleaved)
 
+    def apply_rotary_pos_emb(q, k, cos, sin, *args, **kwargs):
+        if not _ROPE_ACTIVE.on:
+            return original(q, k, cos, sin, *args, **kwargs)
+        q_out, k_out = foak_rope(q, k, cos, sin, *args, **kwargs)
+        if input_dtype:
+            return q_out.to(q.dtype), k_out.to(k.dtype)
+        return q_out, k_out
+
     apply_rotary_pos_emb.__foak_original__ = original
     return apply_rotary_pos_emb
 
 
-def _install_rope(module_name: str, attr: str, interleaved: bool = False):
+def _install_rope(module_name: str, attr: str, interleaved: bool = False, input_dtype: bool = False):
     module = sys.modules[module_name]
-    return globals_.replace_attribute(module, attr, _foak_apply_rotary_pos_emb(getattr(module, attr), interleaved))
+    replacement = _foak_apply_rotary_pos_emb(getattr(module, attr), interleaved, input_dtype)
+    return globals_.replace_attribute(module, attr, replacement)
 
 
 _QKV = ("q_proj", "k_proj", "v_proj")
 
 
 def rope_rule(arch: str, attention_class: type, function_name: str = "apply_rotary_pos_emb",
-              skip_module=None, interleaved: bool = False) -> Rule:
+              skip_module=None, interleaved: bool = False, input_dtype: bool = False) -> Rule:
     """``skip_module(attention) -> reason | None``: attention modules the rule leaves alone, with the reason in
     its row (e.g. SmolLM3's NoPE layers, which apply no rotary embedding). ``interleaved``: the modeling
-    file's function rotates adjacent pairs (GLM's layout; foak.ops.rope's ``interleaved``)."""
+    file's function rotates adjacent pairs (GLM's layout; foak.ops.rope's ``interleaved``). ``input_dtype``: it
+    returns q and k in their own dtype (OLMo's ``.to(q_type)``), not the promoted dtype of q and cos."""
     module_name = attention_class.__module__
 
     def skip_reason(model):
@@ -254,8 +265,8 @@ def rope_rule(arch: str, attention_class: type, function_name: str = "apply_rota
         why_not = skip_module(module) if skip_module is not None else None
         if why_not:
             return Skip(why_not)
-        globals_.acquire_for(module, state, ("rope", module_name, function_name, interleaved),
-                             functools.partial(_install_rope, module_name, function_name, interleaved))
+        globals_.acquire_for(module, state, ("rope", module_name, function_name, interleaved, input_dtype),
+                             functools.partial(_install_rope, module_name, function_name, interleaved, input_dtype))
 
         def forward(self, *args, **kwargs):
             # under autocast over fp32 weights, q/k/v share one cast of the input, unless they are quantized
@@ -497,16 +508,17 @@ def causal_lm_rules(arch: str, causal_lm_class: type, logits_divisor: str | None
 
 
 def decoder_rules(arch: str, modeling, prefix: str, gated_mlp: bool = True, logits_divisor: str | None = None,
-                  norm_mode: str = "llama", rope_skip=None, rope_interleaved: bool = False) -> list[Rule]:
+                  norm_mode: str = "llama", rope_skip=None, rope_interleaved: bool = False,
+                  rope_input_dtype: bool = False) -> list[Rule]:
     """The rules of a Llama-like decoder whose modeling module defines <prefix>RMSNorm, <prefix>Model,
     <prefix>Attention, <prefix>MLP (when gated_mlp) and <prefix>ForCausalLM. ``logits_divisor``: the config
     attribute the causal LM divides its logits by before the loss (Granite's ``logits_scaling``).
-    ``norm_mode``: foak.ops.rms_norm's mode for <prefix>RMSNorm; ``rope_skip``, ``rope_interleaved``: rope_rule's
-    skip_module and interleaved."""
+    ``norm_mode``: foak.ops.rms_norm's mode for <prefix>RMSNorm; ``rope_skip``, ``rope_interleaved``,
+    ``rope_input_dtype``: rope_rule's skip_module, interleaved and input_dtype."""
     rules = [rms_norm_rule(arch, getattr(modeling, f"{prefix}RMSNorm"), norm_mode),
              rms_norm_recompute_rule(arch, getattr(modeling, f"{prefix}Model")),
              rope_rule(arch, getattr(modeling, f"{prefix}Attention"), skip_module=rope_skip,
-                       interleaved=rope_interleaved)]
+                       interleaved=rope_interleaved, input_dtype=rope_input_dtype)]
     if gated_mlp:
         rules.append(glu_mlp_rule(arch, getattr(modeling, f"{prefix}MLP")))
     from foak.patching.packed_attention import packed_attention_rule  # its stack wrapper goes around the others
