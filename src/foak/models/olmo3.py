@@ -1,6 +1,6 @@
 """OLMo 3: as OLMo 2 (RMSNorm in "olmo" mode, also q_norm / k_norm over the whole projection; RoPE with q and k
-in their own dtype; SwiGLU MLP, loss); its sliding-window layers (config.layer_types) pass their window to the attention function, which packed
-attention honours."""
+in their own dtype; SwiGLU MLP, loss); its sliding-window layers (config.layer_types) pass their window to the
+attention function, which packed attention honours."""
 
 from transformers.models.olmo3 import modeling_olmo3 as modeling
 
