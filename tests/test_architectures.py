@@ -53,6 +53,33 @@ class Spec:
 
 SPECS: dict[str, Spec] = {
     # ---- dense decoders (phi3, glm4, olmo2, olmo3, smollm3, ministral) ----
+    "phi3": Spec("Phi3Config", "Phi3ForCausalLM", {**COMMON, "partial_rotary_factor": 0.5, "sliding_window": WINDOW},
+                 {"rms_norm": 5, "rms_norm_recompute": 1, "fused_lora_qkv": 0, "rope": 2, "swiglu": 2,
+                  "fused_linear_loss": 1, "packed_attention": 1, "fused_lora": 0},
+                 extra={"fused_lora_qkv": "one qkv_proj: fused_lora fuses it as one layer",
+                        "swiglu": "fused gate_up_proj (fused_glu_mlp_rule)", "rope": "partial rotary 0.5"}),
+    "glm4": Spec("Glm4Config", "Glm4ForCausalLM", dict(COMMON),  # partial_rotary_factor 0.5 by default
+                 {"rms_norm": 9, "rms_norm_recompute": 1, "fused_lora_qkv": 0, "rope": 2, "swiglu": 2,
+                  "fused_linear_loss": 1, "packed_attention": 1, "fused_lora": 0},
+                 extra={"rope": "interleaved pairs, partial rotary", "rms_norm": "4 per layer (2 post-norms)"}),
+    "olmo2": Spec("Olmo2Config", "Olmo2ForCausalLM", dict(COMMON),
+                  {"rms_norm": 9, "rms_norm_recompute": 1, "fused_lora_qkv": 0, "rope": 2, "swiglu": 2,
+                   "fused_linear_loss": 1, "packed_attention": 1, "fused_lora": 0},
+                  extra={"rms_norm": "post-norms + q_norm/k_norm over the whole projection, mode 'olmo'"}),
+    "olmo3": Spec("Olmo3Config", "Olmo3ForCausalLM",
+                  {**COMMON, "sliding_window": WINDOW, "layer_types": ["sliding_attention", "full_attention"]},
+                  {"rms_norm": 9, "rms_norm_recompute": 1, "fused_lora_qkv": 0, "rope": 2, "swiglu": 2,
+                   "fused_linear_loss": 1, "packed_attention": 1, "fused_lora": 0}),
+    "smollm3": Spec("SmolLM3Config", "SmolLM3ForCausalLM",
+                    {**COMMON, "no_rope_layers": [1, 0], "use_sliding_window": True, "sliding_window": WINDOW},
+                    {"rms_norm": 5, "rms_norm_recompute": 1, "fused_lora_qkv": 0, "rope": 1, "swiglu": 2,
+                     "fused_linear_loss": 1, "packed_attention": 1, "fused_lora": 0},
+                    extra={"rope": "layer 1 is a NoPE layer (and sliding): counted as not patched"}),
+    "ministral": Spec("MinistralConfig", "MinistralForCausalLM",
+                      {**COMMON, "head_dim": 16, "sliding_window": WINDOW,
+                       "layer_types": ["sliding_attention", "full_attention"]},
+                      {"rms_norm": 5, "rms_norm_recompute": 1, "fused_lora_qkv": 0, "rope": 2, "swiglu": 2,
+                       "fused_linear_loss": 1, "packed_attention": 1, "fused_lora": 0}),
 
     # ---- Gemma family and multimodal text towers (gemma*, mistral3) ----
 

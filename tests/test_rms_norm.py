@@ -40,6 +40,36 @@ def test_residual_sum_is_rounded_like_hf():
     assert relative_error(y, y_ref) < 4e-3
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", [(37, 129), (5, 20000)])  # one-block and chunked paths
+def test_olmo_mode_matches_reference(shape, dtype):
+    errors = assert_case(rms_norm_case(shape, mode="olmo"), dtype)
+    assert set(errors) == {"out0", "grad_x", "grad_weight"}
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_olmo_mode_residual_matches_reference(dtype):
+    assert_case(rms_norm_case((2, 9, 65), mode="olmo", residual=True), dtype)
+
+
+@pytest.mark.parametrize("w_dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("shape", [(21, 77), (3, 17000)])
+def test_olmo_mode_rounds_once_like_olmo2_rms_norm(shape, w_dtype):
+    # Olmo2RMSNorm: (weight * normalised_fp32).to(input_dtype): one rounding of the fp32 product, output in
+    # the input dtype whatever the weight's dtype; "llama" rounds the normalised input before the product
+    x = torch.randn(shape).to(torch.bfloat16)
+    w = (torch.rand(shape[-1]) * 2 + 0.1).to(w_dtype)
+    xf = x.float()
+    hf = (w * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + 1e-6))).to(torch.bfloat16)
+    y = rms_norm(x, w, eps=1e-6, mode="olmo")
+    assert torch.equal(rms_norm_reference(x, w, 1e-6, "olmo"), hf)
+    assert y.dtype == torch.bfloat16
+    assert (y.float() - hf.float()).abs().max() <= hf.float().abs().max() * 2**-8  # within one bf16 ulp
+    assert (y == hf).float().mean() > 0.99  # bit-equal but for rsqrt's last bit on a few ties
+    llama = rms_norm(x, w, eps=1e-6, mode="llama").to(torch.bfloat16)
+    assert (llama != hf).float().mean() > 0.1  # the two modes round differently: the test can tell them apart
+
+
 def test_gemma_offset_is_one_plus_weight():
     x = torch.randn(9, 47)
     w = torch.zeros(47)  # gemma with w = 0 is a plain normalisation

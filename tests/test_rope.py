@@ -16,6 +16,9 @@ CASES = [
     (2, 6, 2, 9, 24, {"rotary_dim": 12}),  # partial rotary
     (2, 4, 2, 19, 16, {"rotary_dim": 10, "packed": True}),  # position_ids restart inside a row
     (1, 3, 3, 23, 16, {"packed": True, "hf_layout": False}),
+    (2, 5, 3, 7, 16, {"interleaved": True}),  # GLM's adjacent pairs
+    (2, 6, 2, 9, 24, {"rotary_dim": 12, "interleaved": True}),  # GLM-4: interleaved partial rotary
+    (2, 4, 2, 19, 16, {"rotary_dim": 10, "packed": True, "interleaved": True}),
 ]
 
 
@@ -119,3 +122,21 @@ def _args(**over):
 def test_bad_input(over, message):
     with pytest.raises(ValueError, match=message):
         rope(**_args(**over))
+
+
+@pytest.mark.parametrize("rot", [16, 10])
+def test_interleaved_is_half_layout_on_permuted_pairs(rot):
+    # independent formulation: moving the even dims of the rotary part first and the odd ones after turns the
+    # interleaved layout into the rotate_half layout (cos/sin of pair i at i and R/2 + i)
+    q, k = torch.randn(2, 3, 7, 16, dtype=torch.float64), torch.randn(2, 1, 7, 16, dtype=torch.float64)
+    angles = torch.rand(1, 7, rot // 2, dtype=torch.float64) * 6.3
+    cos, sin = torch.cat((angles, angles), -1).cos(), torch.cat((angles, angles), -1).sin()
+    garbage = torch.full_like(cos[..., rot // 2:], 7.0)  # the second half is never read in that layout
+    cos_i, sin_i = torch.cat((cos[..., : rot // 2], garbage), -1), torch.cat((sin[..., : rot // 2], garbage), -1)
+    perm = torch.cat((torch.arange(0, rot, 2), torch.arange(1, rot, 2), torch.arange(rot, 16)))
+    inverse = torch.argsort(perm)
+    expected = [t[..., inverse] for t in rope_reference(q[..., perm], k[..., perm], cos, sin)]
+    for out, exp in zip(rope(q.float(), k.float(), cos_i.float(), sin_i.float(), interleaved=True), expected):
+        assert relative_error(out, exp) < 1e-6
+    for out, exp in zip(rope_reference(q, k, cos_i, sin_i, interleaved=True), expected):
+        assert relative_error(out, exp) < 1e-12

@@ -103,7 +103,7 @@ def rms_norm_case(shape, mode="llama", residual=False, name=None) -> Case:
 
 
 def rope_case(batch, q_heads, k_heads, seq, head_dim, rotary_dim=None, cos_batch=1, packed=False,
-              hf_layout=True, name=None) -> Case:
+              hf_layout=True, interleaved=False, name=None) -> Case:
     rot = rotary_dim or head_dim
 
     def make(dtype, device, gen):
@@ -125,7 +125,11 @@ def rope_case(batch, q_heads, k_heads, seq, head_dim, rotary_dim=None, cos_batch
         return kw, ("q", "k")
 
     label = name or (f"q{[batch, q_heads, seq, head_dim]} kv_heads={k_heads} rot={rot}"
-                     f"{' packed' if packed else ''}{' cos_batch=B' if cos_batch > 1 else ''}")
+                     f"{' packed' if packed else ''}{' cos_batch=B' if cos_batch > 1 else ''}"
+                     f"{' interleaved' if interleaved else ''}")
+    if interleaved:
+        return Case("rope", label, lambda **kw: rope(**kw, interleaved=True),
+                    lambda **kw: rope_reference(**kw, interleaved=True), make)
     return Case("rope", label, rope, rope_reference, make)
 
 

@@ -63,6 +63,8 @@ from foak.data import (
 log = logging.getLogger("foak.train")
 
 DEFAULT_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+# the default targets of a model that fuses some of them into one projection (Phi-3's qkv_proj, gate_up_proj)
+_FUSED_TARGETS = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
 # TrainingArguments defaults foak sets (argparse defaults: whatever the command line gives wins, in either
 # spelling); dataloader_pin_memory (a CUDA GPU is there) and use_cpu (none is) are added
 TRAINER_DEFAULTS = {"output_dir": "foak-output", "report_to": "none", "save_strategy": "no",
@@ -105,7 +107,8 @@ class FoakArguments:
     lora_alpha: int = field(default=16, metadata={"help": "LoRA alpha (the scaling is alpha / r)"})
     lora_dropout: float = field(default=0.0, metadata={"help": "LoRA dropout probability"})
     target_modules: list[str] = field(default_factory=lambda: list(DEFAULT_TARGETS), metadata={
-        "help": "names of the linear layers that get LoRA adapters"})
+        "help": "names of the linear layers that get LoRA adapters (by default qkv_proj / gate_up_proj in place of "
+                "q/k/v_proj / gate/up_proj where the model fuses them, as Phi-3)"})
     acceleration_config: str | None = field(default=None, metadata={
         "help": "foak YAML (README: Patching a model); its stanza must match --peft. none: no foak kernels "
                 "(the baseline). Default: every kernel foak has for the model's architecture"})
@@ -461,6 +464,16 @@ def load_model_and_tokenizer(foak_args, training_args, source=None):
     return model, tokenizer, str(source)
 
 
+def default_targets(linear_names) -> list[str]:
+    """DEFAULT_TARGETS, with a fused projection in place of the ones it fuses where the model has it and not them."""
+    targets = list(DEFAULT_TARGETS)
+    for fused, parts in _FUSED_TARGETS.items():
+        if fused in linear_names and not any(p in linear_names for p in parts):
+            at = targets.index(parts[0])
+            targets = [*targets[:at], fused, *[t for t in targets[at:] if t not in parts]]
+    return targets
+
+
 def apply_peft(model, foak_args, gradient_checkpointing: bool = False):
     """PEFT's LoRA over ``model`` for --peft lora / qlora-nf4 (the model itself for none). For qlora-nf4,
     PEFT's prepare_model_for_kbit_training turns gradient checkpointing on only when ``gradient_checkpointing``
@@ -474,7 +487,8 @@ def apply_peft(model, foak_args, gradient_checkpointing: bool = False):
     linear_names = {name.rsplit(".", 1)[-1] for name, m in model.named_modules()
                     if isinstance(m, (nn.Linear, GPTQLinear))}
     gptq = any(isinstance(m, GPTQLinear) for m in model.modules())
-    unknown = sorted(set(foak_args.target_modules) - linear_names)
+    targets = default_targets(linear_names) if foak_args.target_modules == DEFAULT_TARGETS else foak_args.target_modules
+    unknown = sorted(set(targets) - linear_names)
     if unknown:
         raise ValueError(
             f"--target_modules {unknown} match no linear layer of this model; its linear layers are "
@@ -490,7 +504,7 @@ def apply_peft(model, foak_args, gradient_checkpointing: bool = False):
             model, use_gradient_checkpointing=gradient_checkpointing,
             gradient_checkpointing_kwargs={"use_reentrant": False})
     config = peft.LoraConfig(r=foak_args.lora_r, lora_alpha=foak_args.lora_alpha,
-                             lora_dropout=foak_args.lora_dropout, target_modules=foak_args.target_modules,
+                             lora_dropout=foak_args.lora_dropout, target_modules=targets,
                              task_type="CAUSAL_LM")
     if gptq:  # PEFT wraps GPTQLinear only through the custom-module mapping (foak's GPTQLoraLinear)
         from foak.quant.gptq_peft import register_gptq_lora

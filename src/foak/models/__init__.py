@@ -20,6 +20,12 @@ ARCHITECTURES = {
     "qwen3": "foak.models.qwen3",
     "qwen3_moe": "foak.models.qwen3_moe",
     # ---- dense decoders (phi3, glm4, olmo2, olmo3, smollm3, ministral) ----
+    "phi3": "foak.models.phi3",
+    "glm4": "foak.models.glm4",
+    "olmo2": "foak.models.olmo2",
+    "olmo3": "foak.models.olmo3",
+    "smollm3": "foak.models.smollm3",
+    "ministral": "foak.models.ministral",
 
     # ---- Gemma family and multimodal text towers (gemma*, mistral3) ----
 

@@ -11,6 +11,8 @@ _MOE = {"num_local_experts": 4, "num_experts": 4, "num_experts_per_tok": 2, "out
 _GRANITE = {"logits_scaling": 3.0, "residual_multiplier": 0.5, "embedding_multiplier": 2.0,
             "attention_multiplier": 0.2}
 
+_IDS = {"bos_token_id": 0, "eos_token_id": 1, "pad_token_id": 2}  # within the tiny vocabulary
+
 TINY_CONFIGS = {
     "llama": ("LlamaConfig", {}),
     "mistral": ("MistralConfig", {"sliding_window": 8}),
@@ -23,6 +25,14 @@ TINY_CONFIGS = {
     "qwen3": ("Qwen3Config", {"head_dim": 16}),
     "qwen3_moe": ("Qwen3MoeConfig", {**_MOE, "moe_intermediate_size": 48, "mlp_only_layers": [0], "head_dim": 16}),
     # ---- dense decoders ----
+    "phi3": ("Phi3Config", {**_IDS, "partial_rotary_factor": 0.5}),
+    "glm4": ("Glm4Config", _IDS),  # partial_rotary_factor 0.5 by default, interleaved RoPE
+    "olmo2": ("Olmo2Config", _IDS),
+    "olmo3": ("Olmo3Config", {**_IDS, "sliding_window": 8, "layer_types": ["sliding_attention", "full_attention"]}),
+    "smollm3": ("SmolLM3Config", {**_IDS, "no_rope_layers": [1, 0], "use_sliding_window": True,
+                                  "sliding_window": 8}),  # layer 1: NoPE and sliding
+    "ministral": ("MinistralConfig", {"head_dim": 16, "sliding_window": 8,
+                                      "layer_types": ["sliding_attention", "full_attention"]}),
 
     # ---- Gemma family and multimodal text towers ----
 

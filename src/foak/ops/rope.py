@@ -5,6 +5,11 @@ HF convention ("rotate_half" layout): with ``x = [x1, x2]`` split at half the ro
 values per position (HF repeats the ``R/2`` frequencies twice). Dimensions ``R..D`` of each head pass
 through unchanged (partial rotary). The backward is the inverse rotation.
 
+``interleaved=True`` (GLM's layout): the rotated pairs are adjacent, ``(x[2i], x[2i+1])``, turned by the angle
+of frequency ``i``: ``y = x * c + rotate_pairs(x) * s`` with ``rotate_pairs(x)[2i:2i+2] = [-x[2i+1], x[2i]]``
+and ``c = repeat_interleave(cos[..., :R/2], 2)`` (likewise ``s``): only the first ``R/2`` values of cos/sin
+are read, as GLM's ``apply_rotary_pos_emb`` does.
+
 Two ways to give positions:
 - ``cos``, ``sin`` of shape ``[B or 1, S, R]``, already gathered per position (what HF's rotary
   embedding module returns: packed sequences are handled by the position_ids it was given);
@@ -39,19 +44,27 @@ def _gather(cos, sin, position_ids):
     return cos[position_ids], sin[position_ids]  # [B or 1, S, R]
 
 
-def rope_reference(q, k, cos, sin, position_ids=None):
+def rope_reference(q, k, cos, sin, position_ids=None, interleaved=False):
     """The math in plain torch (fp32 inside, cast to the promoted dtype of q and cos). Returns (q_out, k_out)."""
     out_dtype = torch.promote_types(q.dtype, cos.dtype)
     cos, sin = _gather(cos, sin, position_ids)
     cos = cos.float().unsqueeze(1)  # broadcast over heads
     sin = sin.float().unsqueeze(1)
     rot = cos.shape[-1]
+    if interleaved:  # frequency i turns the adjacent pair (2i, 2i+1)
+        cos = cos[..., : rot // 2].repeat_interleave(2, dim=-1)
+        sin = sin[..., : rot // 2].repeat_interleave(2, dim=-1)
 
     def rotate(x):
         xf = x.float()
         xr, xpass = xf[..., :rot], xf[..., rot:]
-        x1, x2 = xr[..., : rot // 2], xr[..., rot // 2 :]
-        out = xr * cos + torch.cat((-x2, x1), dim=-1) * sin
+        if interleaved:
+            x1, x2 = xr[..., 0::2], xr[..., 1::2]
+            turned = torch.stack((-x2, x1), dim=-1).flatten(-2)
+        else:
+            x1, x2 = xr[..., : rot // 2], xr[..., rot // 2 :]
+            turned = torch.cat((-x2, x1), dim=-1)
+        out = xr * cos + turned * sin
         return torch.cat((out, xpass), dim=-1).to(out_dtype)
 
     return rotate(q), rotate(k)
@@ -62,18 +75,25 @@ def rope_reference(q, k, cos, sin, position_ids=None):
 def _rotate_heads(
     X, x_sb, x_sh, x_ss, XO, xo_sb, xo_sh, xo_ss, b, s, n_heads, half, head_dim,
     a1, b1, a2, b2,
-    BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_PASS: tl.constexpr,
+    INTERLEAVED: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_PASS: tl.constexpr,
 ):
-    # y1 = x1 * a1 + x2 * b1 ; y2 = x2 * a2 + x1 * b2 for every head at one (batch, position)
+    # y1 = x1 * a1 + x2 * b1 ; y2 = x2 * a2 + x1 * b2 for every head at one (batch, position); the pair
+    # (x1, x2) of frequency d is (d, half + d), or (2d, 2d + 1) when INTERLEAVED
     h = tl.arange(0, BLOCK_H)[:, None]
     d = tl.arange(0, BLOCK_HALF)[None, :]
     mask = (h < n_heads) & (d < half)
     src = X + b * x_sb + s * x_ss + h * x_sh
     dst = XO + b * xo_sb + s * xo_ss + h * xo_sh
-    x1 = tl.load(src + d, mask=mask, other=0.0).to(tl.float32)
-    x2 = tl.load(src + half + d, mask=mask, other=0.0).to(tl.float32)
-    tl.store(dst + d, (x1 * a1 + x2 * b1).to(XO.dtype.element_ty), mask=mask)
-    tl.store(dst + half + d, (x2 * a2 + x1 * b2).to(XO.dtype.element_ty), mask=mask)
+    if INTERLEAVED:
+        first = 2 * d
+        second = 2 * d + 1
+    else:
+        first = d
+        second = half + d
+    x1 = tl.load(src + first, mask=mask, other=0.0).to(tl.float32)
+    x2 = tl.load(src + second, mask=mask, other=0.0).to(tl.float32)
+    tl.store(dst + first, (x1 * a1 + x2 * b1).to(XO.dtype.element_ty), mask=mask)
+    tl.store(dst + second, (x2 * a2 + x1 * b2).to(XO.dtype.element_ty), mask=mask)
     if BLOCK_PASS > 0:  # partial rotary: the tail of each head is copied unchanged
         p = 2 * half + tl.arange(0, BLOCK_PASS)[None, :]
         pmask = (h < n_heads) & (p < head_dim)
@@ -86,7 +106,7 @@ def _rope_kernel(
     K, k_sb, k_sh, k_ss, KO, ko_sb, ko_sh, ko_ss,
     COS, SIN, cs_sb, cs_ss, POS, pos_sb, pos_ss,
     seq_len, n_q_heads, n_k_heads, half, head_dim,
-    HAS_POS: tl.constexpr, BACKWARD: tl.constexpr,
+    HAS_POS: tl.constexpr, BACKWARD: tl.constexpr, INTERLEAVED: tl.constexpr,
     BLOCK_HQ: tl.constexpr, BLOCK_HK: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_PASS: tl.constexpr,
 ):
     pid = tl.program_id(0).to(tl.int64)
@@ -99,9 +119,13 @@ def _rope_kernel(
     d = tl.arange(0, BLOCK_HALF)[None, :]
     dmask = d < half
     c1 = tl.load(COS + row + d, mask=dmask, other=0.0).to(tl.float32)
-    c2 = tl.load(COS + row + half + d, mask=dmask, other=0.0).to(tl.float32)
     s1 = tl.load(SIN + row + d, mask=dmask, other=0.0).to(tl.float32)
-    s2 = tl.load(SIN + row + half + d, mask=dmask, other=0.0).to(tl.float32)
+    if INTERLEAVED:  # one angle per pair: the first half of cos/sin (GLM reads only that half)
+        c2 = c1
+        s2 = s1
+    else:
+        c2 = tl.load(COS + row + half + d, mask=dmask, other=0.0).to(tl.float32)
+        s2 = tl.load(SIN + row + half + d, mask=dmask, other=0.0).to(tl.float32)
     # forward: y1 = x1 c1 - x2 s1, y2 = x2 c2 + x1 s2; backward (transpose): dx1 = dy1 c1 + dy2 s2,
     # dx2 = dy2 c2 - dy1 s1
     if BACKWARD:
@@ -111,9 +135,9 @@ def _rope_kernel(
         b1 = -s1
         b2 = s2
     _rotate_heads(Q, q_sb, q_sh, q_ss, QO, qo_sb, qo_sh, qo_ss, b, s, n_q_heads, half, head_dim,
-                  c1, b1, c2, b2, BLOCK_HQ, BLOCK_HALF, BLOCK_PASS)
+                  c1, b1, c2, b2, INTERLEAVED, BLOCK_HQ, BLOCK_HALF, BLOCK_PASS)
     _rotate_heads(K, k_sb, k_sh, k_ss, KO, ko_sb, ko_sh, ko_ss, b, s, n_k_heads, half, head_dim,
-                  c1, b1, c2, b2, BLOCK_HK, BLOCK_HALF, BLOCK_PASS)
+                  c1, b1, c2, b2, INTERLEAVED, BLOCK_HK, BLOCK_HALF, BLOCK_PASS)
 
 
 # 3. launcher --------------------------------------------------------------------------------------
@@ -127,7 +151,8 @@ def _out_dtype(q, cos, backward: bool, out_dtype):
     return q.dtype if backward else torch.promote_types(q.dtype, cos.dtype)
 
 
-def _launch(q, k, cos, sin, position_ids, backward: bool, out_dtype: torch.dtype | None = None):
+def _launch(q, k, cos, sin, position_ids, backward: bool, out_dtype: torch.dtype | None = None,
+            interleaved: bool = False):
     """Rotates q, k (the backward: dq_out, dk_out) into new tensors of ``out_dtype`` (default: the
     promoted dtype of q and cos forward, q's dtype backward)."""
     out_dtype = _out_dtype(q, cos, backward, out_dtype)
@@ -158,7 +183,7 @@ def _launch(q, k, cos, sin, position_ids, backward: bool, out_dtype: torch.dtype
             k, k.stride(0), k.stride(1), k.stride(2), k_out, k_out.stride(0), k_out.stride(1), k_out.stride(2),
             cos, sin, cs_sb, cs_ss, pos, pos_sb, pos_ss,
             seq_len, n_q_heads, n_k_heads, half, head_dim,
-            HAS_POS=position_ids is not None, BACKWARD=backward,
+            HAS_POS=position_ids is not None, BACKWARD=backward, INTERLEAVED=interleaved,
             BLOCK_HQ=triton.next_power_of_2(n_q_heads), BLOCK_HK=triton.next_power_of_2(n_k_heads),
             BLOCK_HALF=block_half, BLOCK_PASS=block_pass, num_warps=num_warps,
         )
@@ -166,7 +191,7 @@ def _launch(q, k, cos, sin, position_ids, backward: bool, out_dtype: torch.dtype
 
 
 # 4. custom op and autograd ------------------------------------------------------------------------
-def _rope_fake(q, k, cos, sin, position_ids, backward, out_dtype=None):
+def _rope_fake(q, k, cos, sin, position_ids, backward, out_dtype=None, interleaved=False):
     dtype = _out_dtype(q, cos, backward, out_dtype)
     return torch.empty_like(_unit_last(q), dtype=dtype), torch.empty_like(_unit_last(k), dtype=dtype)
 
@@ -175,23 +200,25 @@ def _rope_fake(q, k, cos, sin, position_ids, backward, out_dtype=None):
 def _rope_op(
     q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
     position_ids: torch.Tensor | None, backward: bool, out_dtype: torch.dtype | None = None,
+    interleaved: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    return _launch(q, k, cos, sin, position_ids, backward, out_dtype)
+    return _launch(q, k, cos, sin, position_ids, backward, out_dtype, interleaved)
 
 
 class _RoPEFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, cos, sin, position_ids):
-        q_out, k_out = _rope_op(q, k, cos, sin, position_ids, False)
+    def forward(ctx, q, k, cos, sin, position_ids, interleaved):
+        q_out, k_out = _rope_op(q, k, cos, sin, position_ids, False, None, interleaved)
         ctx.save_for_backward(cos, sin, position_ids)
         ctx.input_dtype = q.dtype  # q and k share it (checked)
+        ctx.interleaved = interleaved
         return q_out, k_out
 
     @staticmethod
     def backward(ctx, dq_out, dk_out):
         cos, sin, position_ids = ctx.saved_tensors
-        dq, dk = _rope_op(dq_out, dk_out, cos, sin, position_ids, True, ctx.input_dtype)
-        return dq, dk, None, None, None
+        dq, dk = _rope_op(dq_out, dk_out, cos, sin, position_ids, True, ctx.input_dtype, ctx.interleaved)
+        return dq, dk, None, None, None, None
 
 
 # 5. public function -------------------------------------------------------------------------------
@@ -246,10 +273,13 @@ def _validate(q, k, cos, sin, position_ids) -> None:
             )
 
 
-def rope(q, k, cos, sin, position_ids=None):
+def rope(q, k, cos, sin, position_ids=None, interleaved=False):
     """Rotate q [B, Hq, S, D] and k [B, Hkv, S, D]; returns new tensors (q_out, k_out) of the promoted
-    dtype of q and cos (HF's type promotion: fp32 for bf16 q with fp32 cos under autocast)."""
+    dtype of q and cos (HF's type promotion: fp32 for bf16 q with fp32 cos under autocast).
+    ``interleaved``: GLM's layout of adjacent pairs (see the module docstring)."""
     _validate(q, k, cos, sin, position_ids)
+    if not isinstance(interleaved, bool):
+        raise ValueError(f"rope: interleaved must be a bool, got {interleaved!r}")
     if not use_triton(q.device):
-        return rope_reference(q, k, cos, sin, position_ids)
-    return _RoPEFunction.apply(q, k, cos, sin, position_ids)
+        return rope_reference(q, k, cos, sin, position_ids, interleaved)
+    return _RoPEFunction.apply(q, k, cos, sin, position_ids, interleaved)

@@ -274,24 +274,38 @@ def lora_attention_rule(arch: str, attention_class: type) -> Rule:
     def is_lora_attention(m, model):
         return all(_fusable_layer(getattr(m, name, None)) for name in QKV)
 
-    return Rule(rule_id, "lora", Trigger(attention_class, predicate=is_lora_attention), patch, _peft_skip_reason)
+    def skip_reason(model):
+        attention = next((m for m in model.modules() if isinstance(m, attention_class)), None)
+        if attention is not None and hasattr(attention, "qkv_proj") and not hasattr(attention, "q_proj"):
+            return ("q, k and v come from one fused projection (qkv_proj): fused_lora fuses its LoRA layer as one "
+                    "lora_linear call")
+        return _peft_skip_reason(model)
+
+    return Rule(rule_id, "lora", Trigger(attention_class, predicate=is_lora_attention), patch, skip_reason)
 
 
 def lora_glu_mlp(gate: nn.Module, up: nn.Module, down: nn.Module, x: torch.Tensor, activation: str):
     """``down(act(gate(x)) * up(x))`` with the fused_lora layers among the three computed as blocks: gate and
     up by one ``lora_linears`` (x read once, each its own dropout mask), down by ``lora_glu_linear`` (the
     product ``act(g) * u`` recomputed in the backward, not kept). A layer whose call PEFT's path must take
-    runs its own forward. Returns None when none of the blocks applies (the caller's own MLP path runs)."""
-    spec_gate, spec_up = fused_projection(gate, x), fused_projection(up, x)
-    pair = spec_gate is not None and spec_up is not None
-    if not pair and _layer_counts(down) is None:
-        return None
-    if pair:
-        g, u = lora_linears(x, [spec_gate, spec_up])
-        count_fused(gate)
-        count_fused(up)
+    runs its own forward. Returns None when none of the blocks applies (the caller's own MLP path runs).
+    ``up=None``: ``gate`` is one fused [gate; up] projection (Phi-3's ``gate_up_proj``), which runs its own
+    forward (fused_lora fuses its LoRA layer as one call); the block is then down's alone."""
+    if up is None:
+        if _layer_counts(down) is None:
+            return None
+        g, u = gate(x).chunk(2, dim=-1)
     else:
-        g, u = gate(x), up(x)
+        spec_gate, spec_up = fused_projection(gate, x), fused_projection(up, x)
+        pair = spec_gate is not None and spec_up is not None
+        if not pair and _layer_counts(down) is None:
+            return None
+        if pair:
+            g, u = lora_linears(x, [spec_gate, spec_up])
+            count_fused(gate)
+            count_fused(up)
+        else:
+            g, u = gate(x), up(x)
     spec_down = fused_projection(down, g)
     if spec_down is not None:
         weight, bias, lora_A, lora_B, scaling, p, _ = spec_down

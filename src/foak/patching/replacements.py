@@ -23,7 +23,7 @@ from foak.ops.rms_norm import rms_norm
 from foak.ops.rope import rope
 from foak.patching.autocast import cast_first_argument, cast_for_projections
 from foak.patching import globals as globals_
-from foak.patching.rules import Rule, SharedAcrossCopies, Trigger, call_next
+from foak.patching.rules import Rule, SharedAcrossCopies, Skip, Trigger, call_next
 
 # ---- RMSNorm ---------------------------------------------------------------------------------------
 
@@ -98,13 +98,13 @@ def _plain_linear(module: nn.Module) -> bool:
 PEFT_MLP: list = []
 
 
-def _lora_glu_mlp(mlp: nn.Module):
+def _lora_glu_mlp(mlp: nn.Module, projections=("gate_proj", "up_proj", "down_proj")):
     """foak.patching.peft.lora_glu_mlp when one of the MLP's projections is a LoRA layer that fused_lora
     patched (decided per call: LoRA layers may be added, and fused, after the MLP was patched), else None."""
     if not PEFT_MLP:
         return None
     is_fused_lora_layer, lora_glu_mlp = PEFT_MLP[0]
-    if is_fused_lora_layer(mlp.gate_proj) or is_fused_lora_layer(mlp.up_proj) or is_fused_lora_layer(mlp.down_proj):
+    if any(is_fused_lora_layer(getattr(mlp, name)) for name in projections):
         return lora_glu_mlp
     return None
 
@@ -150,6 +150,46 @@ def glu_mlp_rule(arch: str, mlp_class: type) -> Rule:
     return Rule(f"{arch}.swiglu", "swiglu", Trigger(mlp_class, predicate=has_projections), patch, skip_reason)
 
 
+def fused_glu_mlp_rule(arch: str, mlp_class: type) -> Rule:
+    """The gated MLP with one fused ``gate_up_proj`` (Phi-3, GLM-4): ``down_proj(act(g) * u)`` with
+    ``g, u = gate_up_proj(x).chunk(2, dim=-1)``, act and product fused as in :func:`glu_mlp_rule`, the product
+    not kept when down_proj is a plain nn.Linear (foak.ops.glu_linear). gate_up_proj runs its own forward (a
+    PEFT LoRA layer over it is one fused_lora call); when down_proj is a LoRA layer that fused_lora patched, it
+    runs as foak's fused LoRA GLU block (foak.patching.peft.lora_glu_mlp)."""
+
+    def skip_reason(model):
+        act = _hidden_act(model)
+        if act not in GLU_ACTIVATIONS:
+            return f"hidden_act {act!r} has no fused gated kernel (supported: {sorted(GLU_ACTIVATIONS)})"
+        return None
+
+    def patch(module, model, state):
+        activation = GLU_ACTIVATIONS[_hidden_act(model)]
+        row = state.result
+        blocks = row.__dict__.setdefault("block_counts", [0])
+
+        def forward(self, x):
+            down = self.down_proj
+            x = cast_for_projections(x, (self.gate_up_proj,))
+            lora_mlp = _lora_glu_mlp(self, ("down_proj",))
+            if lora_mlp is not None:  # down_proj a LoRA layer fused_lora patched: the fused LoRA GLU block
+                out = lora_mlp(self.gate_up_proj, None, down, x, activation)
+                if out is not None:
+                    if not torch.compiler.is_compiling():
+                        blocks[0] += 1
+                        row.note_runtime("lora_blocks", f"{blocks[0]} forwards as fused LoRA MLP blocks")
+                    return out
+            g, u = self.gate_up_proj(x).chunk(2, dim=-1)
+            if _plain_linear(down):
+                return glu_linear(g, u, down.weight, down.bias, activation)
+            return down(glu(g, u, activation))
+
+        return forward
+
+    has_projections = lambda m, model: all(hasattr(m, p) for p in ("gate_up_proj", "down_proj"))
+    return Rule(f"{arch}.swiglu", "swiglu", Trigger(mlp_class, predicate=has_projections), patch, skip_reason)
+
+
 # ---- RoPE --------------------------------------------------------------------------------------------
 # The modeling files look ``apply_rotary_pos_emb`` up in their module globals at call time. foak swaps
 # that global for a dispatcher that runs foak's kernel only inside the forward of a patched attention
@@ -170,39 +210,58 @@ class _ThreadFlag(threading.local):
 _ROPE_ACTIVE = _ThreadFlag()
 
 
-def _foak_apply_rotary_pos_emb(original, half_cos_sin: bool = False):
-    def apply_rotary_pos_emb(q, k, cos, sin, *args, **kwargs):
-        if not _ROPE_ACTIVE.on:
-            return original(q, k, cos, sin, *args, **kwargs)
-        if half_cos_sin:  # one value per frequency (gpt-oss): the rotate_half layout repeats them ([B, S, D])
+def _foak_apply_rotary_pos_emb(original, half_cos_sin: bool = False, interleaved: bool = False,
+                               input_dtype: bool = False):
+    """``half_cos_sin``: cos/sin hold one value per frequency (gpt-oss): the rotate_half layout repeats them
+    ([B, S, D] per call). ``interleaved``: GLM's adjacent-pair layout (foak.ops.rope's ``interleaved``).
+    ``input_dtype``: the modeling function casts its outputs back to q's / k's dtype (OLMo's), where HF's
+    usual one returns the promoted dtype of q and cos."""
+
+    def foak_rope(q, k, cos, sin, *args, **kwargs):
+        if half_cos_sin:
             cos, sin = torch.cat((cos, cos), dim=-1), torch.cat((sin, sin), dim=-1)
         unsqueeze_dim = kwargs.pop("unsqueeze_dim", args[0] if args else 1)
         if kwargs or len(args) > 1:
             raise TypeError(f"foak rope: unexpected arguments {args[1:]}, {kwargs} for apply_rotary_pos_emb")
         if unsqueeze_dim == 2:  # q, k laid out [B, S, H, D]
-            q_out, k_out = rope(q.transpose(1, 2), k.transpose(1, 2), cos, sin)
+            q_out, k_out = rope(q.transpose(1, 2), k.transpose(1, 2), cos, sin, interleaved=interleaved)
             return q_out.transpose(1, 2), k_out.transpose(1, 2)
         if unsqueeze_dim != 1:
             raise ValueError(f"foak rope: unsqueeze_dim={unsqueeze_dim} is not supported (1 or 2)")
-        return rope(q, k, cos, sin)
+        return rope(q, k, cos, sin, interleaved=interleaved)
+
+    def apply_rotary_pos_emb(q, k, cos, sin, *args, **kwargs):
+        if not _ROPE_ACTIVE.on:
+            return original(q, k, cos, sin, *args, **kwargs)
+        q_out, k_out = foak_rope(q, k, cos, sin, *args, **kwargs)
+        if input_dtype:
+            return q_out.to(q.dtype), k_out.to(k.dtype)
+        return q_out, k_out
 
     apply_rotary_pos_emb.__foak_original__ = original
     return apply_rotary_pos_emb
 
 
-def _install_rope(module_name: str, attr: str, half_cos_sin: bool = False):
+def _install_rope(module_name: str, attr: str, half_cos_sin: bool = False, interleaved: bool = False,
+                  input_dtype: bool = False):
     module = sys.modules[module_name]
-    return globals_.replace_attribute(module, attr, _foak_apply_rotary_pos_emb(getattr(module, attr), half_cos_sin))
+    replacement = _foak_apply_rotary_pos_emb(getattr(module, attr), half_cos_sin, interleaved, input_dtype)
+    return globals_.replace_attribute(module, attr, replacement)
 
 
 _QKV = ("q_proj", "k_proj", "v_proj")
 
 
 def rope_rule(arch: str, attention_class: type, function_name: str = "apply_rotary_pos_emb",
-              half_cos_sin: bool = False) -> Rule:
+              half_cos_sin: bool = False, skip_module=None, interleaved: bool = False,
+              input_dtype: bool = False) -> Rule:
     """``half_cos_sin``: the model's cos/sin hold one value per frequency ([..., D/2], gpt-oss), rotating
     ``[x1, x2]`` to ``[x1 cos - x2 sin, x2 cos + x1 sin]``: the same rotation as the rotate_half layout with
-    cos/sin repeated, which the dispatcher builds ([B, S, D] per call) before foak's rope op."""
+    cos/sin repeated, which the dispatcher builds ([B, S, D] per call) before foak's rope op.
+    ``skip_module(attention) -> reason | None``: attention modules the rule leaves alone, with the reason in
+    its row (e.g. SmolLM3's NoPE layers, which apply no rotary embedding). ``interleaved``: the modeling
+    file's function rotates adjacent pairs (GLM's layout; foak.ops.rope's ``interleaved``). ``input_dtype``: it
+    returns q and k in their own dtype (OLMo's ``.to(q_type)``), not the promoted dtype of q and cos."""
     module_name = attention_class.__module__
 
     def skip_reason(model):
@@ -213,8 +272,12 @@ def rope_rule(arch: str, attention_class: type, function_name: str = "apply_rota
     rule_id = f"{arch}.rope"
 
     def patch(module, model, state):
-        globals_.acquire_for(module, state, ("rope", module_name, function_name),
-                             functools.partial(_install_rope, module_name, function_name, half_cos_sin))
+        why_not = skip_module(module) if skip_module is not None else None
+        if why_not:
+            return Skip(why_not)
+        options = (half_cos_sin, interleaved, input_dtype)
+        globals_.acquire_for(module, state, ("rope", module_name, function_name, *options),
+                             functools.partial(_install_rope, module_name, function_name, *options))
 
         def forward(self, *args, **kwargs):
             # under autocast over fp32 weights, q/k/v share one cast of the input, unless they are quantized
@@ -510,14 +573,18 @@ def causal_lm_rules(arch: str, causal_lm_class: type, logits_divisor: str | None
     return [loss_rule(arch, causal_lm_class), fused_linear_loss_rule(arch, causal_lm_class, logits_divisor)]
 
 
-def decoder_rules(arch: str, modeling, prefix: str, gated_mlp: bool = True, logits_divisor: str | None = None
-                  ) -> list[Rule]:
+def decoder_rules(arch: str, modeling, prefix: str, gated_mlp: bool = True, logits_divisor: str | None = None,
+                  norm_mode: str = "llama", rope_skip=None, rope_interleaved: bool = False,
+                  rope_input_dtype: bool = False) -> list[Rule]:
     """The rules of a Llama-like decoder whose modeling module defines <prefix>RMSNorm, <prefix>Model,
     <prefix>Attention, <prefix>MLP (when gated_mlp) and <prefix>ForCausalLM. ``logits_divisor``: the config
-    attribute the causal LM divides its logits by before the loss (Granite's ``logits_scaling``)."""
-    rules = [rms_norm_rule(arch, getattr(modeling, f"{prefix}RMSNorm")),
+    attribute the causal LM divides its logits by before the loss (Granite's ``logits_scaling``).
+    ``norm_mode``: foak.ops.rms_norm's mode for <prefix>RMSNorm; ``rope_skip``, ``rope_interleaved``,
+    ``rope_input_dtype``: rope_rule's skip_module, interleaved and input_dtype."""
+    rules = [rms_norm_rule(arch, getattr(modeling, f"{prefix}RMSNorm"), norm_mode),
              rms_norm_recompute_rule(arch, getattr(modeling, f"{prefix}Model")),
-             rope_rule(arch, getattr(modeling, f"{prefix}Attention"))]
+             rope_rule(arch, getattr(modeling, f"{prefix}Attention"), skip_module=rope_skip,
+                       interleaved=rope_interleaved, input_dtype=rope_input_dtype)]
     if gated_mlp:
         rules.append(glu_mlp_rule(arch, getattr(modeling, f"{prefix}MLP")))
     from foak.patching.packed_attention import packed_attention_rule  # its stack wrapper goes around the others
