@@ -28,6 +28,10 @@ ARCHITECTURES = {
     # ---- gpt-oss ----
 
     # ---- Qwen3.5 hybrids ----
+    "qwen3_5": "foak.models.qwen3_5",  # Qwen3_5ForConditionalGeneration (multimodal)
+    "qwen3_5_text": "foak.models.qwen3_5_text",  # Qwen3_5ForCausalLM (AutoModelForCausalLM)
+    "qwen3_5_moe": "foak.models.qwen3_5_moe",  # Qwen3_5MoeForConditionalGeneration (multimodal)
+    "qwen3_5_moe_text": "foak.models.qwen3_5_moe_text",  # Qwen3_5MoeForCausalLM (AutoModelForCausalLM)
 
 }
 

@@ -31,6 +31,14 @@ TINY_CONFIGS = {
     # ---- gpt-oss ----
 
     # ---- Qwen3.5 hybrids ----
+    # one linear-attention (gated delta net) and one full-attention layer
+    "qwen3_5_text": ("Qwen3_5TextConfig", {"head_dim": 16, "layer_types": ["linear_attention", "full_attention"],
+                                           "linear_key_head_dim": 8, "linear_value_head_dim": 8,
+                                           "linear_num_key_heads": 2, "linear_num_value_heads": 4}),
+    "qwen3_5_moe_text": ("Qwen3_5MoeTextConfig", {
+        **_MOE, "moe_intermediate_size": 48, "shared_expert_intermediate_size": 32, "head_dim": 16,
+        "layer_types": ["linear_attention", "full_attention"], "linear_key_head_dim": 8, "linear_value_head_dim": 8,
+        "linear_num_key_heads": 2, "linear_num_value_heads": 4}),
 
 }
 
