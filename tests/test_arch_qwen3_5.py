@@ -9,7 +9,6 @@ import copy
 
 import pytest
 import torch
-import transformers
 
 import foak
 from foak.patching import moe as moe_patching
@@ -92,7 +91,8 @@ def test_norms_on_the_triton_kernels(dtype):
     """The same modules on foak's Triton kernels (the interpreter here): forward and backward, odd rows."""
     model = build("qwen3_5_text").to(dtype)
     ref = copy.deepcopy(model)
-    patch(model, backend="auto")
+    report = patch(model, backend="auto")
+    assert "triton" in report.result("qwen3_5_text.rms_norm_gated").backend, str(report)
     g = torch.Generator().manual_seed(5)
     layer, ref_layer = model.model.layers[0], ref.model.layers[0]
     with torch.no_grad():
