@@ -108,10 +108,11 @@ GLU_ACTIVATIONS = {"silu": "silu", "swish": "silu", "gelu": "gelu", "gelu_pytorc
 
 
 def _hidden_act(model: nn.Module) -> str:
-    config = model.config
-    if callable(getattr(config, "get_text_config", None)):  # a multimodal config: its text model's
-        config = config.get_text_config(decoder=True)
-    return getattr(config, "hidden_act", None) or getattr(config, "hidden_activation", "")
+    for config in (model.config, getattr(model.config, "text_config", None)):  # a multimodal config: its text's
+        act = getattr(config, "hidden_act", None) or getattr(config, "hidden_activation", None)
+        if act:
+            return act
+    return ""
 
 
 def _plain_linear(module: nn.Module) -> bool:
