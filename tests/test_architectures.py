@@ -50,6 +50,16 @@ class Spec:
     lora: bool = True  # also compare with PEFT LoRA on every linear layer
     extra: dict = field(default_factory=dict)  # notes for a reader; not used by the tests
 
+# ---- Qwen3.5 hybrids: shared settings ----
+QWEN3_5 = {"head_dim": 16, "layer_types": ["linear_attention", "full_attention"], "linear_key_head_dim": 8,
+           "linear_value_head_dim": 8, "linear_num_key_heads": 2, "linear_num_value_heads": 4}
+QWEN3_5_MOE = {**MOE, "num_experts": 4, "moe_intermediate_size": 48, "shared_expert_intermediate_size": 32}
+QWEN3_5_VISION = {"depth": 1, "hidden_size": 32, "intermediate_size": 32, "num_heads": 2, "out_hidden_size": 64,
+                  "patch_size": 4, "num_position_embeddings": 16}
+# rms_norm: 2 per layer, q_norm, k_norm, the final norm; swiglu: the dense MLPs or the MoE's shared experts
+QWEN3_5_ROWS = {"rms_norm": 7, "rms_norm_gated": 1, "rms_norm_recompute": 1, "fused_lora_qkv": 0, "rope": 1,
+                "swiglu": 2, "fused_linear_loss": 1, "packed_attention": 1, "fused_lora": 0}
+# ---- end of Qwen3.5 hybrids' shared settings ----
 
 SPECS: dict[str, Spec] = {
     # ---- dense decoders (phi3, glm4, olmo2, olmo3, smollm3, ministral) ----
@@ -147,6 +157,17 @@ SPECS: dict[str, Spec] = {
                           "fused_linear_loss": 1, "packed_attention": 0, "moe": 2, "fused_lora": 0}),
 
     # ---- Qwen3.5 hybrids ----
+    # AutoModelForCausalLM loads the text model (model_type qwen3_5_text), AutoModelForImageTextToText the
+    # multimodal one (qwen3_5); one linear-attention (gated delta net) layer and one full-attention layer
+    "qwen3_5_text": Spec("Qwen3_5TextConfig", "Qwen3_5ForCausalLM", {**COMMON, **QWEN3_5}, QWEN3_5_ROWS),
+    "qwen3_5": Spec("Qwen3_5Config", "Qwen3_5ForConditionalGeneration",
+                    {"text_config": {**COMMON, **QWEN3_5}, "vision_config": QWEN3_5_VISION, "pad_token_id": 2},
+                    QWEN3_5_ROWS),
+    "qwen3_5_moe_text": Spec("Qwen3_5MoeTextConfig", "Qwen3_5MoeForCausalLM", {**COMMON, **QWEN3_5, **QWEN3_5_MOE},
+                             {**QWEN3_5_ROWS, "moe": 2}),
+    "qwen3_5_moe": Spec("Qwen3_5MoeConfig", "Qwen3_5MoeForConditionalGeneration",
+                        {"text_config": {**COMMON, **QWEN3_5, **QWEN3_5_MOE}, "vision_config": QWEN3_5_VISION,
+                         "pad_token_id": 2}, {**QWEN3_5_ROWS, "moe": 2}),
 
 }
 ARCHS = list(SPECS)

@@ -42,6 +42,10 @@ ARCHITECTURES = {
     "gpt_oss": "foak.models.gpt_oss",
 
     # ---- Qwen3.5 hybrids ----
+    "qwen3_5": "foak.models.qwen3_5",  # Qwen3_5ForConditionalGeneration (multimodal)
+    "qwen3_5_text": "foak.models.qwen3_5_text",  # Qwen3_5ForCausalLM (AutoModelForCausalLM)
+    "qwen3_5_moe": "foak.models.qwen3_5_moe",  # Qwen3_5MoeForConditionalGeneration (multimodal)
+    "qwen3_5_moe_text": "foak.models.qwen3_5_moe_text",  # Qwen3_5MoeForCausalLM (AutoModelForCausalLM)
 
 }
 

@@ -64,6 +64,18 @@ TINY_CONFIGS = {
                                                      "original_max_position_embeddings": 4}}),
 
     # ---- Qwen3.5 hybrids ----
+    # one linear-attention (gated delta net) and one full-attention layer. The gradients of the gated delta
+    # net's decay parameters (A_log, dt_bias) amplify fp32 rounding 100-1000x depending on the random draw
+    # (transformers' own model: a 1-ulp change of a norm output moves them by up to 4e-4 relative): this
+    # draw (initializer_range 0.05) keeps them within 1e-5 of the unpatched model on foak's kernels
+    "qwen3_5_text": ("Qwen3_5TextConfig", {"head_dim": 16, "layer_types": ["linear_attention", "full_attention"],
+                                           "linear_key_head_dim": 8, "linear_value_head_dim": 8,
+                                           "linear_num_key_heads": 2, "linear_num_value_heads": 4,
+                                           "initializer_range": 0.05}),
+    "qwen3_5_moe_text": ("Qwen3_5MoeTextConfig", {
+        **_MOE, "moe_intermediate_size": 48, "shared_expert_intermediate_size": 32, "head_dim": 16,
+        "layer_types": ["linear_attention", "full_attention"], "linear_key_head_dim": 8, "linear_value_head_dim": 8,
+        "linear_num_key_heads": 2, "linear_num_value_heads": 4, "initializer_range": 0.05}),
 
 }
 

@@ -76,6 +76,31 @@ def rms_norm_recompute_rule(arch: str, stack_class: type) -> Rule:
     return Rule(rule_id, "rms_norm", Trigger(stack_class), patch)
 
 
+def rms_norm_gated_rule(arch: str, norm_class: type) -> Rule:
+    """A gated RMSNorm ``forward(x, gate)`` of HF's form (Qwen3.5's, inside the gated delta net):
+    ``(weight * normalise(x.float()).to(x.dtype)) * silu(gate.float())`` cast to x's dtype. The norm is foak's
+    rms_norm (llama mode: the same casts); the gate product is foak's glu when gate, x and the normed output
+    share one dtype (then ``glu``'s fp32 product and cast are HF's exactly), else the same product in torch."""
+
+    def patch(module, model, state):
+        activation = getattr(module, "activation", None)
+        if activation not in ("silu", "swish"):
+            return Skip(f"gate activation {activation!r} (foak's gated norm takes silu)")
+        eps = getattr(module, "variance_epsilon", getattr(module, "eps", None))
+        if eps is None:
+            return Skip(f"{type(module).__name__} has no variance_epsilon/eps attribute")
+
+        def forward(self, hidden_states, gate):
+            y = rms_norm(hidden_states, self.weight, eps, "llama", inplace_backward=False)
+            if y.dtype == gate.dtype == hidden_states.dtype:
+                return glu(gate, y, "silu", inplace_backward=False)
+            return (y * nn.functional.silu(gate.float())).to(hidden_states.dtype)
+
+        return forward
+
+    return Rule(f"{arch}.rms_norm_gated", "rms_norm", Trigger(norm_class), patch)
+
+
 # ---- gated MLP ---------------------------------------------------------------------------------------
 # HF activation names -> foak.ops.activations.glu activations
 GLU_ACTIVATIONS = {"silu": "silu", "swish": "silu", "gelu": "gelu", "gelu_pytorch_tanh": "gelu_tanh",
@@ -83,7 +108,11 @@ GLU_ACTIVATIONS = {"silu": "silu", "swish": "silu", "gelu": "gelu", "gelu_pytorc
 
 
 def _hidden_act(model: nn.Module) -> str:
-    return getattr(model.config, "hidden_act", None) or getattr(model.config, "hidden_activation", "")
+    for config in (model.config, getattr(model.config, "text_config", None)):  # a multimodal config: its text's
+        act = getattr(config, "hidden_act", None) or getattr(config, "hidden_activation", None)
+        if act:
+            return act
+    return ""
 
 
 def _plain_linear(module: nn.Module) -> bool:
