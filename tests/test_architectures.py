@@ -38,6 +38,18 @@ COMMON = {"vocab_size": VOCAB, "hidden_size": 64, "intermediate_size": 96, "num_
 MOE = {"num_experts_per_tok": 2, "output_router_logits": True, "router_aux_loss_coef": 0.1}
 
 
+# Gemma 1/2/3: (1 + w) norms (with Gemma 3's q/k norms), RoPE, GeGLU MLP, both losses, packed attention
+GEMMA_ROWS = {"rms_norm": 2 * 2 + 1, "rms_norm_recompute": 1, "fused_lora_qkv": 0, "rope": 2, "swiglu": 2,
+              "fused_linear_loss": 1, "packed_attention": 1, "fused_lora": 0}
+
+# a local (sliding-window) and a global layer, the window shorter than the batches; q/k norms; softcapped head
+GEMMA3_TEXT = {**COMMON, "head_dim": 16, "sliding_window": WINDOW, "final_logit_softcapping": 3.0,
+               "layer_types": ["sliding_attention", "full_attention"]}
+# the vision tower of the multimodal configs: 16x16 images of 4x4 patches
+TINY_SIGLIP = {"hidden_size": 32, "intermediate_size": 48, "num_hidden_layers": 1, "num_attention_heads": 2,
+               "image_size": 16, "patch_size": 4}
+
+
 @dataclass
 class Spec:
     config: str  # transformers' config class
@@ -55,6 +67,15 @@ SPECS: dict[str, Spec] = {
     # ---- dense decoders (phi3, glm4, olmo2, olmo3, smollm3, ministral) ----
 
     # ---- Gemma family and multimodal text towers (gemma*, mistral3) ----
+    "gemma": Spec("GemmaConfig", "GemmaForCausalLM", {**COMMON, "head_dim": 16}, GEMMA_ROWS),
+    "gemma2": Spec("Gemma2Config", "Gemma2ForCausalLM",  # final and attention-logit softcaps on (their defaults)
+                   {**COMMON, "head_dim": 16, "sliding_window": WINDOW, "final_logit_softcapping": 3.0},
+                   {**GEMMA_ROWS, "rms_norm": 4 * 2 + 1, "packed_attention": 0}),
+    "gemma3_text": Spec("Gemma3TextConfig", "Gemma3ForCausalLM", GEMMA3_TEXT,
+                        {**GEMMA_ROWS, "rms_norm": 6 * 2 + 1}),
+    "gemma3": Spec("Gemma3Config", "Gemma3ForConditionalGeneration",  # (+1 norm: the projector's)
+                   {"text_config": GEMMA3_TEXT, "vision_config": TINY_SIGLIP, "mm_tokens_per_image": 4},
+                   {**GEMMA_ROWS, "rms_norm": 6 * 2 + 1 + 1}),
 
     # ---- MoE (qwen2_moe, glm4_moe, deepseek_v3, llama4, granitemoeshared) ----
 

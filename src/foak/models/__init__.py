@@ -22,6 +22,10 @@ ARCHITECTURES = {
     # ---- dense decoders (phi3, glm4, olmo2, olmo3, smollm3, ministral) ----
 
     # ---- Gemma family and multimodal text towers (gemma*, mistral3) ----
+    "gemma": "foak.models.gemma",
+    "gemma2": "foak.models.gemma2",
+    "gemma3": "foak.models.gemma3",
+    "gemma3_text": "foak.models.gemma3_text",
 
     # ---- MoE (qwen2_moe, glm4_moe, deepseek_v3, llama4, granitemoeshared) ----
 

@@ -10,6 +10,10 @@ _COMMON = {"hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 2, "
 _MOE = {"num_local_experts": 4, "num_experts": 4, "num_experts_per_tok": 2, "output_router_logits": True}
 _GRANITE = {"logits_scaling": 3.0, "residual_multiplier": 0.5, "embedding_multiplier": 2.0,
             "attention_multiplier": 0.2}
+# Gemma 3: a local (sliding-window) and a global layer; multimodal configs: text_config gets _COMMON
+_GEMMA3_TEXT = {"head_dim": 16, "sliding_window": 8, "layer_types": ["sliding_attention", "full_attention"]}
+_TINY_SIGLIP = {"hidden_size": 32, "intermediate_size": 48, "num_hidden_layers": 1, "num_attention_heads": 2,
+                "image_size": 16, "patch_size": 4}
 
 TINY_CONFIGS = {
     "llama": ("LlamaConfig", {}),
@@ -25,6 +29,10 @@ TINY_CONFIGS = {
     # ---- dense decoders ----
 
     # ---- Gemma family and multimodal text towers ----
+    "gemma": ("GemmaConfig", {"head_dim": 16}),
+    "gemma2": ("Gemma2Config", {"head_dim": 16, "sliding_window": 8}),
+    "gemma3_text": ("Gemma3TextConfig", _GEMMA3_TEXT),
+    "gemma3": ("Gemma3Config", {"text_config": _GEMMA3_TEXT, "vision_config": _TINY_SIGLIP, "mm_tokens_per_image": 4}),
 
     # ---- MoE ----
 
@@ -42,6 +50,8 @@ def tiny_config(model_type: str = "llama"):
     config_class = getattr(transformers, class_name)
     params = dict(_COMMON) if model_type != "gpt_bigcode" else {"vocab_size": _COMMON["vocab_size"]}
     params.update(overrides)
+    if "text_config" in overrides:  # a multimodal config: the common dims are its text model's
+        params = {**overrides, "text_config": {**_COMMON, **overrides["text_config"]}}
     return config_class(**params)
 
 

@@ -26,8 +26,9 @@ arguments, so unpacked batches compute exactly what they did (bit for bit); the 
 of both with the reasons. Unlike transformers' sdpa path, and like its flash-attention path, a packed batch
 with a KV cache is still computed per sequence. Calls the packed path does not take (attention dropout in
 training, an attention-logit softcap, ``output_attentions``, positional extra arguments, a cache that holds
-earlier tokens) run the previous implementation and are counted. None of foak's architectures has an
-attention softcap. GPTBigCode's attention receives no position_ids: it has no rule.
+earlier tokens) run the previous implementation and are counted. A model whose config sets an
+attention-logit softcap (Gemma 2's ``attn_logit_softcapping``) is left alone, and its row says so.
+GPTBigCode's attention receives no position_ids: it has no rule.
 
 Models whose config names another implementation are left alone and say why in the row:
 ``flash_attention_*`` already run packed batches per sequence (varlen from position_ids), ``flex_attention``
@@ -345,17 +346,24 @@ def _argument_reader(forward, name: str):
     return read
 
 
-def packed_attention_rule(arch: str, stack_class: type) -> Rule:
-    """The ``fast_packed_attention`` rule of a decoder whose stack (``<Arch>Model``) is ``stack_class``."""
+def packed_attention_rule(arch: str, stack_class: type, text_config: bool = False) -> Rule:
+    """The ``fast_packed_attention`` rule of a decoder whose stack (``<Arch>Model``) is ``stack_class``. With
+    ``text_config``, ``stack_class`` is a multimodal model (e.g. Gemma3Model) that builds its text tower's
+    masks itself from ``config.get_text_config()``, which the text tower's attention layers read."""
+    config_of = (lambda m: m.config.get_text_config()) if text_config else (lambda m: m.config)
     rule_id = f"{arch}.packed_attention"
 
     def skip_reason(model):
         if _hf() is None:
             return "this transformers has no attention-mask interface (transformers.masking_utils)"
+        config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+        if getattr(config, "attn_logit_softcapping", None):  # Gemma 2
+            return ("attn_logit_softcapping: foak's varlen attention has no attention-logit softcap; transformers' "
+                    "attention and block-causal mask run")
         return None
 
     def patch(module, model, state):
-        config = module.config
+        config = config_of(module)
         attribute = _implementation_attribute(config)
         previous = getattr(config, attribute, None)
         if previous == IMPLEMENTATION:  # another patched model shares this config object
@@ -366,7 +374,7 @@ def packed_attention_rule(arch: str, stack_class: type) -> Rule:
             why = _NOT_TAKEN.get(previous, "foak takes over sdpa and eager only")
             return Skip(f"config._attn_implementation is {previous!r}: {why}")
         entry = _Entry(_counts_of(state, rule_id, previous), previous)
-        tagged = [m for m in module.modules() if getattr(m, "config", None) is config]
+        tagged = [m for m in module.modules() if getattr(m, "config", None) is config or m is module]
         for m in tagged:
             m.__dict__[_ENTRY_ATTR] = entry
         state.on_restore(lambda: [m.__dict__.pop(_ENTRY_ATTR, None) for m in tagged])
@@ -382,7 +390,8 @@ def packed_attention_rule(arch: str, stack_class: type) -> Rule:
             seqs = None
             # attention dropout in training: the packed path has none, so the batch keeps transformers' mask
             # and the previous implementation (counted as "attention dropout")
-            dropout = self.training and float(getattr(self.config, "attention_dropout", 0.0) or 0.0) > 0
+            config = config_of(self)
+            dropout = self.training and float(getattr(config, "attention_dropout", 0.0) or 0.0) > 0
             if isinstance(position_ids, torch.Tensor) and read_mask(args, kwargs) is None and position_ids.dim() == 2 \
                     and not dropout:
                 source = read_input(args, kwargs)
@@ -393,7 +402,7 @@ def packed_attention_rule(arch: str, stack_class: type) -> Rule:
                 else:
                     seqs = _sequences_of(position_ids, batch)
             outer = _CURRENT.forward
-            _CURRENT.forward = _Forward(self.config, self.__dict__[_ENTRY_ATTR], position_ids, seqs)
+            _CURRENT.forward = _Forward(config, self.__dict__[_ENTRY_ATTR], position_ids, seqs)
             try:
                 return call_next(self, rule_id, *args, **kwargs)
             finally:

@@ -83,7 +83,12 @@ GLU_ACTIVATIONS = {"silu": "silu", "swish": "silu", "gelu": "gelu", "gelu_pytorc
 
 
 def _hidden_act(model: nn.Module) -> str:
-    return getattr(model.config, "hidden_act", None) or getattr(model.config, "hidden_activation", "")
+    config = model.config
+    for c in (config, config.get_text_config() if hasattr(config, "get_text_config") else config):
+        act = getattr(c, "hidden_act", None) or getattr(c, "hidden_activation", None)
+        if act:  # a multimodal model: its text config's
+            return act
+    return ""
 
 
 def _plain_linear(module: nn.Module) -> bool:
@@ -270,8 +275,14 @@ def _head_linears(head) -> list[nn.Linear]:
     return []
 
 
-def _causal_lm_skip_reason(model):
-    if getattr(model.config, "final_logit_softcapping", None):
+def _final_softcap(config) -> float | None:
+    """The final-logit softcap a causal LM applies between lm_head and its loss (Gemma 2/3/4), or None."""
+    text_config = config.get_text_config() if hasattr(config, "get_text_config") else config
+    return getattr(config, "final_logit_softcapping", None) or getattr(text_config, "final_logit_softcapping", None)
+
+
+def _causal_lm_skip_reason(model, serves_softcap: bool = False):
+    if not serves_softcap and getattr(model.config, "final_logit_softcapping", None):
         return "final_logit_softcapping is applied between lm_head and the loss (not a linear map)"
     if not _head_linears(getattr(model, "lm_head", None)):
         return "the model has no nn.Linear lm_head"
@@ -314,10 +325,29 @@ def _same(a, b) -> bool:
     return a is b or (not isinstance(a, torch.Tensor) and not isinstance(b, torch.Tensor) and a == b)
 
 
-def _follows_from(logits, loss, divisor) -> bool:
+def _softcapped(logits, loss) -> bool:
+    """``logits`` is ``(tanh(loss / cap)) * cap``: the three steps of a final-logit softcap (Gemma 2/3/4)."""
+    steps = ("MulBackward0", "TanhBackward0", "DivBackward0")
+    fn = getattr(logits, "grad_fn", None)
+    for i, name in enumerate(steps):
+        if fn is None or type(fn).__name__ != name:
+            return False
+        inputs = [f for f, _ in fn.next_functions if f is not None]
+        if i == len(steps) - 1:
+            return any(f is loss.grad_fn for f in inputs)
+        if len(inputs) != 1:  # a tensor, not a constant, entered this step besides the chain
+            return False
+        fn = inputs[0]
+    return False
+
+
+def _follows_from(logits, loss, divisor, softcap=None) -> bool:
     """``logits`` (what the model handed its loss function) is the head's ``loss`` itself or, for an
-    architecture that divides its logits (``divisor``), ``loss / divisor``: nothing else happened between the
-    head and the loss that the fused head would have had to apply."""
+    architecture that divides its logits (``divisor``), ``loss / divisor``, or, for one that softcaps them
+    (``softcap``), ``tanh(loss / cap) * cap``: nothing else happened between the head and the loss that the
+    fused head would have had to apply."""
+    if softcap is not None:
+        return _softcapped(logits, loss) if loss.requires_grad else logits is not loss
     if logits is loss or not loss.requires_grad:
         return logits is loss or divisor is not None
     fn = getattr(logits, "grad_fn", None)
@@ -325,14 +355,17 @@ def _follows_from(logits, loss, divisor) -> bool:
             and any(next_fn is loss.grad_fn for next_fn, _ in fn.next_functions))
 
 
-def fused_linear_loss_rule(arch: str, causal_lm_class: type, logits_divisor: str | None = None) -> Rule:
+def fused_linear_loss_rule(arch: str, causal_lm_class: type, logits_divisor: str | None = None,
+                           final_softcap: bool = False) -> Rule:
     """The loss runs inside the LM head's own forward (its ``__call__``), with the labels the causal LM's
     forward received: whatever gathers the head's parameters around its forward (FSDP2's ``fully_shard``,
     with or without ``reshard_after_forward``; FSDP1; DeepSpeed ZeRO-3) has them gathered for the loss and
     releases them right after it, and the backward passes through the head's own hooks. The head returns
     the loss; the model's loss function returns that same tensor. ``logits_divisor``: the config attribute by
     which the architecture divides its logits before the loss (Granite's ``logits_scaling``), applied inside
-    the loss; anything else between head and loss is an error."""
+    the loss; ``final_softcap``: the architecture applies ``config.final_logit_softcapping`` (its text
+    config's) as ``tanh(logits / cap) * cap`` before the loss (Gemma 2/3/4), which the fused loss applies
+    inside (foak.ops.linear_cross_entropy's ``softcap``); anything else between head and loss is an error."""
 
     rule_id = f"{arch}.fused_linear_loss"
 
@@ -341,6 +374,8 @@ def fused_linear_loss_rule(arch: str, causal_lm_class: type, logits_divisor: str
         lm_head = model_module.lm_head
         request = _LossRequest()
         divisor = float(getattr(model_module.config, logits_divisor)) if logits_divisor else None
+        softcap = _final_softcap(model_module.config) if final_softcap else None
+        softcap = float(softcap) if softcap else None
 
         def lm_head_forward(self, hidden_states):
             if request.args is None:
@@ -356,7 +391,7 @@ def fused_linear_loss_rule(arch: str, causal_lm_class: type, logits_divisor: str
                 target = target.reshape(-1)
             request.loss = linear_cross_entropy(
                 hidden, weight, target.to(hidden.device), self.bias, shift=shift, ignore_index=ignore_index,
-                num_items_in_batch=num_items_in_batch, logits_scaling=divisor or 1.0,
+                num_items_in_batch=num_items_in_batch, logits_scaling=divisor or 1.0, softcap=softcap,
                 chunk_bytes=fused_loss_chunk_bytes(weight))
             return request.loss
 
@@ -378,7 +413,7 @@ def fused_linear_loss_rule(arch: str, causal_lm_class: type, logits_divisor: str
                     "foak fused_linear_loss: the model called its loss with other labels / shift_labels / "
                     "ignore_index / num_items_in_batch than its forward received, which lm_head used; disable "
                     "fused_linear_loss for this model")
-            if not torch.compiler.is_compiling() and not _follows_from(logits, loss, divisor):
+            if not torch.compiler.is_compiling() and not _follows_from(logits, loss, divisor, softcap):
                 raise RuntimeError(
                     f"foak fused_linear_loss: {type(model_module).__name__} changed lm_head's output before its "
                     "loss in a way foak's fused head does not apply (a transformers version foak does not "
@@ -418,7 +453,8 @@ def fused_linear_loss_rule(arch: str, causal_lm_class: type, logits_divisor: str
 
         return forward
 
-    return Rule(rule_id, "fused_linear_loss", Trigger(causal_lm_class), patch, _causal_lm_skip_reason)
+    return Rule(rule_id, "fused_linear_loss", Trigger(causal_lm_class), patch,
+                functools.partial(_causal_lm_skip_reason, serves_softcap=final_softcap))
 
 
 def loss_rule(arch: str, causal_lm_class: type) -> Rule:
@@ -445,8 +481,10 @@ def loss_rule(arch: str, causal_lm_class: type) -> Rule:
     return Rule(rule_id, "loss", Trigger(causal_lm_class), patch)
 
 
-def causal_lm_rules(arch: str, causal_lm_class: type, logits_divisor: str | None = None) -> list[Rule]:
-    return [loss_rule(arch, causal_lm_class), fused_linear_loss_rule(arch, causal_lm_class, logits_divisor)]
+def causal_lm_rules(arch: str, causal_lm_class: type, logits_divisor: str | None = None,
+                    final_softcap: bool = False) -> list[Rule]:
+    return [loss_rule(arch, causal_lm_class),
+            fused_linear_loss_rule(arch, causal_lm_class, logits_divisor, final_softcap)]
 
 
 def decoder_rules(arch: str, modeling, prefix: str, gated_mlp: bool = True, logits_divisor: str | None = None

@@ -1,0 +1,32 @@
+"""Gemma: (1 + w) RMSNorm (``mode="gemma"``), RoPE, GeGLU MLP (gelu_tanh), loss. The scaled embedding
+(``hidden_size ** 0.5``) stays in the HF forward. Shared by the Gemma family files (gemma2, gemma3,
+gemma3_text)."""
+
+from transformers.models.gemma import modeling_gemma as modeling
+
+from foak.patching.replacements import (causal_lm_rules, glu_mlp_rule, rms_norm_recompute_rule, rms_norm_rule,
+                                        rope_rule)
+
+
+def gemma_rules(arch: str, modeling, prefix: str, causal_lm: type | None = None, text_model: type | None = None,
+                final_softcap: bool = False, multimodal_model: type | None = None):
+    """The rules of a Gemma 1/2/3 decoder whose modeling module defines <prefix>RMSNorm (1 + w), <prefix>Attention,
+    <prefix>MLP, and the stack ``text_model`` (default <prefix>Model) under the causal LM ``causal_lm`` (default
+    <prefix>ForCausalLM; a multimodal ...ForConditionalGeneration whose text tower is ``text_model``).
+    ``final_softcap``: the causal LM softcaps its logits before the loss (config.final_logit_softcapping),
+    which the fused loss applies inside. ``multimodal_model``: the multimodal stack (Gemma3Model) that builds
+    the text tower's masks, where packed attention takes over."""
+    from foak.patching.packed_attention import packed_attention_rule
+
+    text_model = text_model or getattr(modeling, f"{prefix}Model")
+    causal_lm = causal_lm or getattr(modeling, f"{prefix}ForCausalLM")
+    return [rms_norm_rule(arch, getattr(modeling, f"{prefix}RMSNorm"), mode="gemma"),
+            rms_norm_recompute_rule(arch, text_model),
+            rope_rule(arch, getattr(modeling, f"{prefix}Attention")),
+            glu_mlp_rule(arch, getattr(modeling, f"{prefix}MLP")),
+            *causal_lm_rules(arch, causal_lm, final_softcap=final_softcap),
+            packed_attention_rule(arch, multimodal_model or text_model, text_config=multimodal_model is not None)]
+
+
+def rules():
+    return gemma_rules("gemma", modeling, "Gemma")
