@@ -49,6 +49,23 @@ GEMMA3_TEXT = {**COMMON, "head_dim": 16, "sliding_window": WINDOW, "final_logit_
 TINY_SIGLIP = {"hidden_size": 32, "intermediate_size": 48, "num_hidden_layers": 1, "num_attention_heads": 2,
                "image_size": 16, "patch_size": 4}
 
+# Gemma 4's quirks at once: a local and two global layers (the last one reusing the second's K/V, with a
+# double-wide MLP; the global ones with k as v and a wider head), per-layer inputs, a MoE block beside each
+# MLP, a softcapped head
+GEMMA4_TEXT = {**COMMON, "num_hidden_layers": 3, "head_dim": 16, "global_head_dim": 32, "sliding_window": WINDOW,
+               "layer_types": ["sliding_attention", "full_attention", "full_attention"],
+               "num_kv_shared_layers": 1, "use_double_wide_mlp": True, "attention_k_eq_v": True,
+               "num_global_key_value_heads": 1, "hidden_size_per_layer_input": 8, "vocab_size_per_layer_input": VOCAB,
+               "enable_moe_block": True, "num_experts": 4, "top_k_experts": 2, "moe_intermediate_size": 32,
+               "final_logit_softcapping": 3.0}
+# norms: 4 per layer, q/k/v (q only in the sharing layer), the per-layer input's, the MoE block's 4 (router
+# included), the stack's and the per-layer projection's; RoPE stays HF's (the row says why)
+GEMMA4_ROWS = {"rms_norm": 3 * (4 + 1 + 4) + 2 * 3 + 1 + 2, "rms_norm_recompute": 1, "fused_lora_qkv": 0, "rope": 0,
+               "swiglu": 3, "moe": 3, "fused_linear_loss": 1, "packed_attention": 1, "fused_lora": 0}
+TINY_GEMMA4_VISION = {"hidden_size": 32, "intermediate_size": 48, "num_hidden_layers": 1, "num_attention_heads": 2,
+                      "num_key_value_heads": 2, "head_dim": 16, "patch_size": 4, "pooling_kernel_size": 2,
+                      "position_embedding_size": 64}
+
 
 @dataclass
 class Spec:
@@ -76,6 +93,13 @@ SPECS: dict[str, Spec] = {
     "gemma3": Spec("Gemma3Config", "Gemma3ForConditionalGeneration",  # (+1 norm: the projector's)
                    {"text_config": GEMMA3_TEXT, "vision_config": TINY_SIGLIP, "mm_tokens_per_image": 4},
                    {**GEMMA_ROWS, "rms_norm": 6 * 2 + 1 + 1}),
+    "gemma4_text": Spec("Gemma4TextConfig", "Gemma4ForCausalLM", GEMMA4_TEXT, GEMMA4_ROWS),
+    "gemma4": Spec("Gemma4Config", "Gemma4ForConditionalGeneration",
+                   {"text_config": GEMMA4_TEXT, "vision_config": TINY_GEMMA4_VISION}, GEMMA4_ROWS),
+    "mistral3": Spec("Mistral3Config", "Mistral3ForConditionalGeneration",  # its text tower: a Mistral model
+                     {"text_config": {**COMMON, "model_type": "mistral", "sliding_window": WINDOW},
+                      "vision_config": {**TINY_SIGLIP, "model_type": "pixtral", "head_dim": 16}},
+                     GEMMA_ROWS),
 
     # ---- MoE (qwen2_moe, glm4_moe, deepseek_v3, llama4, granitemoeshared) ----
 

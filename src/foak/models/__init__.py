@@ -26,6 +26,9 @@ ARCHITECTURES = {
     "gemma2": "foak.models.gemma2",
     "gemma3": "foak.models.gemma3",
     "gemma3_text": "foak.models.gemma3_text",
+    "gemma4": "foak.models.gemma4",
+    "gemma4_text": "foak.models.gemma4_text",
+    "mistral3": "foak.models.mistral3",
 
     # ---- MoE (qwen2_moe, glm4_moe, deepseek_v3, llama4, granitemoeshared) ----
 

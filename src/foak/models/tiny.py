@@ -32,6 +32,8 @@ TINY_CONFIGS = {
     "gemma": ("GemmaConfig", {"head_dim": 16}),
     "gemma2": ("Gemma2Config", {"head_dim": 16, "sliding_window": 8}),
     "gemma3_text": ("Gemma3TextConfig", _GEMMA3_TEXT),
+    "mistral3": ("Mistral3Config", {"text_config": {"model_type": "mistral", "sliding_window": 8},
+                                    "vision_config": {**_TINY_SIGLIP, "model_type": "pixtral", "head_dim": 16}}),
     "gemma3": ("Gemma3Config", {"text_config": _GEMMA3_TEXT, "vision_config": _TINY_SIGLIP, "mm_tokens_per_image": 4}),
 
     # ---- MoE ----

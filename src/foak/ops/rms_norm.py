@@ -4,6 +4,8 @@ Two weight conventions, both matching HuggingFace bit for bit in their casting:
 - ``mode="llama"``: normalise in fp32, cast to the input dtype, then multiply by ``weight``
   (the output dtype is the promotion of the input and weight dtypes, as in ``LlamaRMSNorm``).
 - ``mode="gemma"``: normalise in fp32, multiply by ``1 + weight`` in fp32, cast to the input dtype.
+- ``mode="gemma4"``: normalise in fp32, multiply by ``weight`` in fp32, cast to the input dtype (Gemma 4,
+  whose weights start at 1; with a ones weight, its norms without a scale).
 
 With ``residual=r`` the op returns ``(rms_norm(x + r), x + r)``: the sum is rounded to the input dtype
 first (as the HF decoder layer does) and both outputs are written in one pass.
@@ -23,7 +25,8 @@ from foak.ops._custom_op import custom_op
 from foak.ops._inplace import can_overwrite, claim
 from foak.ops._recompute import offer
 
-MODES = ("llama", "gemma")
+MODES = ("llama", "gemma", "gemma4")
+_FP32_PRODUCT = ("gemma", "gemma4")  # the weight product in fp32, the output in the input dtype
 MAX_HIDDEN = 65536
 # Rows up to this many columns are held in registers (one pass over memory); wider rows are
 # processed in chunks of _CHUNK columns with a second pass.
@@ -50,8 +53,8 @@ def rms_norm_reference(
         x = total
     h = x.float()
     h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
-    if mode == "gemma":
-        y = (h * (1.0 + weight.float())).to(x.dtype)
+    if mode in _FP32_PRODUCT:
+        y = (h * (weight.float() + (1.0 if mode == "gemma" else 0.0))).to(x.dtype)
     else:
         y = weight * h.to(x.dtype)
     return y if total is None else (y, total)
@@ -62,7 +65,7 @@ def rms_norm_reference(
 def _rms_norm_forward_kernel(
     X, x_stride, R, r_stride, S, s_stride, Y, y_stride, W, RSTD,
     n_cols, eps,
-    GEMMA: tl.constexpr, HAS_RESIDUAL: tl.constexpr, SINGLE: tl.constexpr, BLOCK: tl.constexpr,
+    GEMMA: tl.constexpr, OFFSET: tl.constexpr, HAS_RESIDUAL: tl.constexpr, SINGLE: tl.constexpr, BLOCK: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
@@ -83,7 +86,7 @@ def _rms_norm_forward_kernel(
         w = tl.load(W + cols, mask=mask, other=0.0).to(tl.float32)
         h = x * rstd
         if GEMMA:
-            y = h * (1.0 + w)
+            y = h * (w + OFFSET)
         else:
             y = h.to(X.dtype.element_ty).to(tl.float32) * w
         tl.store(y_row + cols, y.to(Y.dtype.element_ty), mask=mask)
@@ -110,7 +113,7 @@ def _rms_norm_forward_kernel(
             w = tl.load(W + c, mask=mask, other=0.0).to(tl.float32)
             h = x * rstd
             if GEMMA:
-                y = h * (1.0 + w)
+                y = h * (w + OFFSET)
             else:
                 y = h.to(X.dtype.element_ty).to(tl.float32) * w
             tl.store(y_row + c, y.to(Y.dtype.element_ty), mask=mask)
@@ -121,7 +124,7 @@ def _rms_norm_forward_kernel(
 def _rms_norm_backward_kernel(
     DY, dy_stride, X, x_stride, W, RSTD, DS, ds_stride, DX, dx_stride, DW_PARTIAL,
     n_rows, n_cols, rows_per_program,
-    GEMMA: tl.constexpr, HAS_DS: tl.constexpr, SINGLE: tl.constexpr, BLOCK: tl.constexpr,
+    GEMMA: tl.constexpr, OFFSET: tl.constexpr, HAS_DS: tl.constexpr, SINGLE: tl.constexpr, BLOCK: tl.constexpr,
 ):
     # Each program owns a contiguous band of rows and one row of DW_PARTIAL (fp32), so the weight
     # gradient needs no atomics: the host sums the partial rows afterwards.
@@ -134,7 +137,7 @@ def _rms_norm_backward_kernel(
         mask = cols < n_cols
         w = tl.load(W + cols, mask=mask, other=0.0).to(tl.float32)
         if GEMMA:
-            w = w + 1.0
+            w = w + OFFSET
         dw = tl.zeros([BLOCK], dtype=tl.float32)
         for row in range(first, last):
             x = tl.load(X + row * x_stride + cols, mask=mask, other=0.0).to(tl.float32)
@@ -162,7 +165,7 @@ def _rms_norm_backward_kernel(
                 dy = tl.load(DY + row * dy_stride + c, mask=mask, other=0.0).to(tl.float32)
                 w = tl.load(W + c, mask=mask, other=0.0).to(tl.float32)
                 if GEMMA:
-                    w = w + 1.0
+                    w = w + OFFSET
                 acc += dy * w * x
             mean_gh = tl.sum(acc, axis=0) * rstd / n_cols
             for start in range(0, n_cols, BLOCK):
@@ -172,7 +175,7 @@ def _rms_norm_backward_kernel(
                 dy = tl.load(DY + row * dy_stride + c, mask=mask, other=0.0).to(tl.float32)
                 w = tl.load(W + c, mask=mask, other=0.0).to(tl.float32)
                 if GEMMA:
-                    w = w + 1.0
+                    w = w + OFFSET
                 h = x * rstd
                 dx = (dy * w - h * mean_gh) * rstd
                 if HAS_DS:
@@ -198,7 +201,7 @@ def _block_config(n_cols: int) -> tuple[bool, int, int]:
 
 
 def _output_dtype(x: torch.Tensor, weight: torch.Tensor, mode: str) -> torch.dtype:
-    return x.dtype if mode == "gemma" else torch.promote_types(x.dtype, weight.dtype)
+    return x.dtype if mode in _FP32_PRODUCT else torch.promote_types(x.dtype, weight.dtype)
 
 
 def _forward_launch(x, weight, residual, eps: float, mode: str):
@@ -218,7 +221,8 @@ def _forward_launch(x, weight, residual, eps: float, mode: str):
         _rms_norm_forward_kernel[(n_rows,)](
             x2, x2.stride(0), r2, r2.stride(0), total, total.stride(0), y, y.stride(0), weight, rstd,
             n_cols, eps,
-            GEMMA=mode == "gemma", HAS_RESIDUAL=residual is not None, SINGLE=single, BLOCK=block,
+            GEMMA=mode in _FP32_PRODUCT, OFFSET=1.0 if mode == "gemma" else 0.0,
+            HAS_RESIDUAL=residual is not None, SINGLE=single, BLOCK=block,
             num_warps=num_warps,
         )
     y = y.view(x.shape)
@@ -258,7 +262,8 @@ def _backward_launch(dy, x, weight, rstd, d_total, mode: str, dx=None):
         _rms_norm_backward_kernel[(programs,)](
             dy2, dy2.stride(0), x2, x2.stride(0), weight, rstd, ds2, ds2.stride(0), dx, dx.stride(0),
             dw_partial, n_rows, n_cols, rows_per_program,
-            GEMMA=mode == "gemma", HAS_DS=d_total is not None, SINGLE=single, BLOCK=block,
+            GEMMA=mode in _FP32_PRODUCT, OFFSET=1.0 if mode == "gemma" else 0.0,
+            HAS_DS=d_total is not None, SINGLE=single, BLOCK=block,
             num_warps=num_warps,
         )
     else:

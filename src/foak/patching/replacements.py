@@ -34,6 +34,16 @@ def rms_norm_rule(arch: str, norm_class: type, mode: str = "llama") -> Rule:
         if eps is None:
             raise ValueError(f"{arch}.rms_norm: {type(module).__name__} has no variance_epsilon/eps attribute")
 
+        if getattr(module, "weight", None) is None:  # a norm without a scale (Gemma 4's with_scale=False)
+            unit = 0.0 if mode == "gemma" else 1.0
+
+            def forward(self, hidden_states):
+                weight = torch.full(hidden_states.shape[-1:], unit, dtype=hidden_states.dtype,
+                                    device=hidden_states.device)
+                return rms_norm(hidden_states, weight, eps, mode, inplace_backward=False)
+
+            return forward
+
         def forward(self, hidden_states):
             # out-of-place backward: a decoder layer's input is also saved by activation checkpointing,
             # so writing dx into it would break (loudly) HF's gradient checkpointing
