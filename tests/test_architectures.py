@@ -51,8 +51,10 @@ TINY_SIGLIP = {"hidden_size": 32, "intermediate_size": 48, "num_hidden_layers": 
 
 # Gemma 4's quirks at once: a local and two global layers (the last one reusing the second's K/V, with a
 # double-wide MLP; the global ones with k as v and a wider head), per-layer inputs, a MoE block beside each
-# MLP, a softcapped head
-GEMMA4_TEXT = {**COMMON, "num_hidden_layers": 3, "head_dim": 16, "global_head_dim": 32, "sliding_window": WINDOW,
+# MLP, a softcapped head. Heads of 8 / 16: Gemma 4 scales its attention logits by 1 (q/k norms instead), so
+# with wider heads the softmax saturates and the fp32 LoRA gradients lose digits on both sides (unpatched vs
+# patched packed ~7e-4 at 16 / 32; equal to 1e-15 in fp64, where foak's ops are not defined)
+GEMMA4_TEXT = {**COMMON, "num_hidden_layers": 3, "head_dim": 8, "global_head_dim": 16, "sliding_window": WINDOW,
                "layer_types": ["sliding_attention", "full_attention", "full_attention"],
                "num_kv_shared_layers": 1, "use_double_wide_mlp": True, "attention_k_eq_v": True,
                "num_global_key_value_heads": 1, "hidden_size_per_layer_input": 8, "vocab_size_per_layer_input": VOCAB,
@@ -62,6 +64,7 @@ GEMMA4_TEXT = {**COMMON, "num_hidden_layers": 3, "head_dim": 16, "global_head_di
 # included), the stack's and the per-layer projection's; RoPE stays HF's (the row says why)
 GEMMA4_ROWS = {"rms_norm": 3 * (4 + 1 + 4) + 2 * 3 + 1 + 2, "rms_norm_recompute": 1, "fused_lora_qkv": 0, "rope": 0,
                "swiglu": 3, "moe": 3, "fused_linear_loss": 1, "packed_attention": 1, "fused_lora": 0}
+VISION_NORMS = 4 + 3 + 1  # the tiny vision tower: one layer (4 norms, q/k/v norms), the embedder's norm
 TINY_GEMMA4_VISION = {"hidden_size": 32, "intermediate_size": 48, "num_hidden_layers": 1, "num_attention_heads": 2,
                       "num_key_value_heads": 2, "head_dim": 16, "patch_size": 4, "pooling_kernel_size": 2,
                       "position_embedding_size": 64}
@@ -94,8 +97,10 @@ SPECS: dict[str, Spec] = {
                    {"text_config": GEMMA3_TEXT, "vision_config": TINY_SIGLIP, "mm_tokens_per_image": 4},
                    {**GEMMA_ROWS, "rms_norm": 6 * 2 + 1 + 1}),
     "gemma4_text": Spec("Gemma4TextConfig", "Gemma4ForCausalLM", GEMMA4_TEXT, GEMMA4_ROWS),
-    "gemma4": Spec("Gemma4Config", "Gemma4ForConditionalGeneration",
-                   {"text_config": GEMMA4_TEXT, "vision_config": TINY_GEMMA4_VISION}, GEMMA4_ROWS),
+    "gemma4": Spec("Gemma4Config", "Gemma4ForConditionalGeneration",  # MoE: gemma4_text's (with it, this init's
+                   # fp32 LoRA gradients lose digits on both sides: 1.2e-5)
+                   {"text_config": {**GEMMA4_TEXT, "enable_moe_block": False}, "vision_config": TINY_GEMMA4_VISION},
+                   {**GEMMA4_ROWS, "rms_norm": GEMMA4_ROWS["rms_norm"] - 3 * 4 + VISION_NORMS, "moe": 0}),
     "mistral3": Spec("Mistral3Config", "Mistral3ForConditionalGeneration",  # its text tower: a Mistral model
                      {"text_config": {**COMMON, "model_type": "mistral", "sliding_window": WINDOW},
                       "vision_config": {**TINY_SIGLIP, "model_type": "pixtral", "head_dim": 16}},

@@ -14,6 +14,17 @@ _GRANITE = {"logits_scaling": 3.0, "residual_multiplier": 0.5, "embedding_multip
 _GEMMA3_TEXT = {"head_dim": 16, "sliding_window": 8, "layer_types": ["sliding_attention", "full_attention"]}
 _TINY_SIGLIP = {"hidden_size": 32, "intermediate_size": 48, "num_hidden_layers": 1, "num_attention_heads": 2,
                 "image_size": 16, "patch_size": 4}
+# Gemma 4: a local and two global layers (the last reusing the second's K/V, double-wide MLP), k as v in the
+# global layers, per-layer inputs, MoE blocks (text model), a softcapped head
+_GEMMA4_TEXT = {"num_hidden_layers": 3, "head_dim": 8, "global_head_dim": 16, "sliding_window": 8,
+                "layer_types": ["sliding_attention", "full_attention", "full_attention"], "num_kv_shared_layers": 1,
+                "use_double_wide_mlp": True, "attention_k_eq_v": True, "num_global_key_value_heads": 1,
+                "hidden_size_per_layer_input": 8, "vocab_size_per_layer_input": _COMMON["vocab_size"],
+                "enable_moe_block": True, "num_experts": 4, "top_k_experts": 2, "moe_intermediate_size": 32,
+                "final_logit_softcapping": 30.0}
+_TINY_GEMMA4_VISION = {"hidden_size": 32, "intermediate_size": 48, "num_hidden_layers": 1, "num_attention_heads": 2,
+                       "num_key_value_heads": 2, "head_dim": 16, "patch_size": 4, "pooling_kernel_size": 2,
+                       "position_embedding_size": 64}
 
 TINY_CONFIGS = {
     "llama": ("LlamaConfig", {}),
@@ -34,6 +45,9 @@ TINY_CONFIGS = {
     "gemma3_text": ("Gemma3TextConfig", _GEMMA3_TEXT),
     "mistral3": ("Mistral3Config", {"text_config": {"model_type": "mistral", "sliding_window": 8},
                                     "vision_config": {**_TINY_SIGLIP, "model_type": "pixtral", "head_dim": 16}}),
+    "gemma4_text": ("Gemma4TextConfig", _GEMMA4_TEXT),
+    "gemma4": ("Gemma4Config", {"text_config": {**_GEMMA4_TEXT, "enable_moe_block": False},
+                                "vision_config": _TINY_GEMMA4_VISION}),
     "gemma3": ("Gemma3Config", {"text_config": _GEMMA3_TEXT, "vision_config": _TINY_SIGLIP, "mm_tokens_per_image": 4}),
 
     # ---- MoE ----
@@ -61,5 +75,9 @@ def tiny_model(model_type: str = "llama", seed: int = 0):
     import torch
 
     torch.manual_seed(seed)
-    model = transformers.AutoModelForCausalLM.from_config(tiny_config(model_type))
+    config = tiny_config(model_type)
+    if "text_config" in TINY_CONFIGS[model_type][1]:  # multimodal: its ...ForConditionalGeneration
+        model = transformers.AutoModelForImageTextToText.from_config(config)
+    else:
+        model = transformers.AutoModelForCausalLM.from_config(config)
     return model.float()
