@@ -61,8 +61,8 @@ GEMMA4_TEXT = {**COMMON, "num_hidden_layers": 3, "head_dim": 8, "global_head_dim
                "enable_moe_block": True, "num_experts": 4, "top_k_experts": 2, "moe_intermediate_size": 32,
                "final_logit_softcapping": 3.0}
 # norms: 4 per layer, q/k/v (q only in the sharing layer), the per-layer input's, the MoE block's 4 (router
-# included), the stack's and the per-layer projection's; RoPE stays HF's (the row says why)
-GEMMA4_ROWS = {"rms_norm": 3 * (4 + 1 + 4) + 2 * 3 + 1 + 2, "rms_norm_recompute": 1, "fused_lora_qkv": 0, "rope": 0,
+# included), the stack's and the per-layer projection's
+GEMMA4_ROWS = {"rms_norm": 3 * (4 + 1 + 4) + 2 * 3 + 1 + 2, "rms_norm_recompute": 1, "fused_lora_qkv": 0, "rope": 3,
                "swiglu": 3, "moe": 3, "fused_linear_loss": 1, "packed_attention": 1, "fused_lora": 0}
 VISION_NORMS = 4 + 3 + 1  # the tiny vision tower: one layer (4 norms, q/k/v norms), the embedder's norm
 TINY_GEMMA4_VISION = {"hidden_size": 32, "intermediate_size": 48, "num_hidden_layers": 1, "num_attention_heads": 2,

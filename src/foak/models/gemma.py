@@ -6,7 +6,6 @@ from transformers.models.gemma import modeling_gemma as modeling
 
 from foak.patching.replacements import (causal_lm_rules, glu_mlp_rule, rms_norm_recompute_rule, rms_norm_rule,
                                         rope_rule)
-from foak.patching.rules import Rule, Skip, Trigger
 
 
 def gemma_rules(arch: str, modeling, prefix: str, causal_lm: type | None = None, text_model: type | None = None,
@@ -33,28 +32,18 @@ def rules():
     return gemma_rules("gemma", modeling, "Gemma")
 
 
-def not_served(arch: str, name: str, switch: str, module_class: type, reason: str) -> Rule:
-    """A row for what foak leaves to the HF forward of ``module_class``, saying why."""
-    return Rule(f"{arch}.{name}", switch, Trigger(module_class), lambda module, model, state: Skip(reason),
-                lambda model: reason)
-
-
-GEMMA4_ROPE = ("Gemma 4 rotates q and k in two calls of a one-tensor apply_rotary_pos_emb(x, cos, sin) (k not at "
-               "all in its KV-sharing layers); foak's rope op rotates a (q, k) pair")
-
-
 def gemma4_rules(arch: str, modeling, causal_lm: type, multimodal_model: type | None = None):
     """Gemma 4 (text tower Gemma4TextModel): its RMSNorms (weights in fp32, ``mode="gemma4"``; the norms without
     a scale, v_norm and the router's, with a unit weight), the GeGLU MLPs (double-wide ones included), the
-    experts of its MoE blocks (fast_moe), the fused loss with the final-logit softcap, packed attention; RoPE
-    stays HF's (its row says why)."""
+    experts of its MoE blocks (fast_moe), RoPE (one tensor per call: q, then k where the layer has its own),
+    the fused loss with the final-logit softcap, packed attention."""
     from foak.patching.moe import moe_experts_rule
     from foak.patching.packed_attention import packed_attention_rule
 
     text_model = modeling.Gemma4TextModel
     return [rms_norm_rule(arch, modeling.Gemma4RMSNorm, mode="gemma4"),
             rms_norm_recompute_rule(arch, text_model),
-            not_served(arch, "rope", "rope", modeling.Gemma4TextAttention, GEMMA4_ROPE),
+            rope_rule(arch, modeling.Gemma4TextAttention, one_tensor=True),
             glu_mlp_rule(arch, modeling.Gemma4TextMLP),
             moe_experts_rule(arch, modeling, "Gemma4TextExperts"),
             *causal_lm_rules(arch, causal_lm, final_softcap=True),

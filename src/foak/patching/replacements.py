@@ -203,15 +203,39 @@ def _foak_apply_rotary_pos_emb(original):
     return apply_rotary_pos_emb
 
 
-def _install_rope(module_name: str, attr: str):
+def _foak_apply_rotary_pos_emb_one(original):
+    """The dispatcher of a modeling module whose ``apply_rotary_pos_emb(x, cos, sin, unsqueeze_dim)`` rotates one
+    tensor per call (Gemma 4: q, then k where the layer has its own): foak's rope with a k of no heads."""
+
+    def apply_rotary_pos_emb(x, cos, sin, *args, **kwargs):
+        if not _ROPE_ACTIVE.on:
+            return original(x, cos, sin, *args, **kwargs)
+        unsqueeze_dim = kwargs.pop("unsqueeze_dim", args[0] if args else 1)
+        if kwargs or len(args) > 1:
+            raise TypeError(f"foak rope: unexpected arguments {args[1:]}, {kwargs} for apply_rotary_pos_emb")
+        if unsqueeze_dim not in (1, 2):
+            raise ValueError(f"foak rope: unsqueeze_dim={unsqueeze_dim} is not supported (1 or 2)")
+        q = x.transpose(1, 2) if unsqueeze_dim == 2 else x  # [B, H, S, D]
+        out = rope(q, q[:, :0], cos, sin)[0]
+        return out.transpose(1, 2) if unsqueeze_dim == 2 else out
+
+    apply_rotary_pos_emb.__foak_original__ = original
+    return apply_rotary_pos_emb
+
+
+def _install_rope(module_name: str, attr: str, one_tensor: bool = False):
     module = sys.modules[module_name]
-    return globals_.replace_attribute(module, attr, _foak_apply_rotary_pos_emb(getattr(module, attr)))
+    dispatcher = _foak_apply_rotary_pos_emb_one if one_tensor else _foak_apply_rotary_pos_emb
+    return globals_.replace_attribute(module, attr, dispatcher(getattr(module, attr)))
 
 
 _QKV = ("q_proj", "k_proj", "v_proj")
 
 
-def rope_rule(arch: str, attention_class: type, function_name: str = "apply_rotary_pos_emb") -> Rule:
+def rope_rule(arch: str, attention_class: type, function_name: str = "apply_rotary_pos_emb",
+              one_tensor: bool = False) -> Rule:
+    """``one_tensor``: the modeling module's function rotates one tensor per call, ``(x, cos, sin, unsqueeze_dim)``
+    (Gemma 4), instead of the (q, k) pair."""
     module_name = attention_class.__module__
 
     def skip_reason(model):
@@ -223,7 +247,7 @@ def rope_rule(arch: str, attention_class: type, function_name: str = "apply_rota
 
     def patch(module, model, state):
         globals_.acquire_for(module, state, ("rope", module_name, function_name),
-                             functools.partial(_install_rope, module_name, function_name))
+                             functools.partial(_install_rope, module_name, function_name, one_tensor))
 
         def forward(self, *args, **kwargs):
             # under autocast over fp32 weights, q/k/v share one cast of the input, unless they are quantized
