@@ -78,3 +78,35 @@ def test_gemma3_with_an_image_matches_unpatched():
     finally:
         foak.restore(model)
         foak.set_backend("auto")
+
+
+def test_gemma3_packed_batch_with_an_image_keeps_the_image_block():
+    """Image tokens attend to each other both ways (token_type_ids): a packed batch with an image keeps
+    transformers' mask, equal to unpatched, and the row says so."""
+    spec = SPECS["gemma3"]
+    config = transformers.Gemma3Config(**{**spec.kwargs, "image_token_index": 5})
+    torch.manual_seed(0)
+    model = transformers.Gemma3ForConditionalGeneration(config).float()
+    ref = copy.deepcopy(model)
+    foak.set_backend("reference")
+    report = foak.patch(model)
+    try:
+        g = torch.Generator().manual_seed(4)
+        lengths = (5, 9, 3)
+        ids = torch.randint(6, 301, (1, sum(lengths)), generator=g)
+        ids[0, 7:11] = 5  # the image inside the second sequence
+        pos = torch.cat([torch.arange(n) for n in lengths])[None]
+        batch = {"input_ids": ids, "position_ids": pos, "labels": ids.masked_fill((pos == 0) | (ids == 5), -100),
+                 "pixel_values": torch.randn(1, 3, 16, 16, generator=g), "token_type_ids": (ids == 5).long(),
+                 "use_cache": False}
+        out, grads = loss_and_grads(model, batch)
+        ref_out, ref_grads = loss_and_grads(ref, batch)
+        assert_close(out.loss, ref_out.loss, "gemma3 packed image loss")
+        assert_grads_close(grads, ref_grads, "gemma3 packed image")
+        packed, _ = packed_attention_counts(report, "gemma3.packed_attention")
+        assert not packed
+        row = next(r for r in report.results if r.rule_id == "gemma3.packed_attention")
+        assert "1 forward with image tokens (token_type_ids) kept transformers' mask" in row.notes
+    finally:
+        foak.restore(model)
+        foak.set_backend("auto")

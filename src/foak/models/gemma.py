@@ -9,13 +9,14 @@ from foak.patching.replacements import (causal_lm_rules, glu_mlp_rule, rms_norm_
 
 
 def gemma_rules(arch: str, modeling, prefix: str, causal_lm: type | None = None, text_model: type | None = None,
-                final_softcap: bool = False, multimodal_model: type | None = None):
+                final_softcap: bool = False, multimodal_model: type | None = None, image_blocks: str | None = None):
     """The rules of a Gemma 1/2/3 decoder whose modeling module defines <prefix>RMSNorm (1 + w), <prefix>Attention,
     <prefix>MLP, and the stack ``text_model`` (default <prefix>Model) under the causal LM ``causal_lm`` (default
     <prefix>ForCausalLM; a multimodal ...ForConditionalGeneration whose text tower is ``text_model``).
     ``final_softcap``: the causal LM softcaps its logits before the loss (config.final_logit_softcapping),
     which the fused loss applies inside. ``multimodal_model``: the multimodal stack (Gemma3Model) that builds
-    the text tower's masks, where packed attention takes over."""
+    the text tower's masks, where packed attention takes over; ``image_blocks``: its argument marking image tokens
+    that attend both ways (a batch with any keeps transformers' mask)."""
     from foak.patching.packed_attention import packed_attention_rule
 
     text_model = text_model or getattr(modeling, f"{prefix}Model")
@@ -25,7 +26,8 @@ def gemma_rules(arch: str, modeling, prefix: str, causal_lm: type | None = None,
             rope_rule(arch, getattr(modeling, f"{prefix}Attention")),
             glu_mlp_rule(arch, getattr(modeling, f"{prefix}MLP")),
             *causal_lm_rules(arch, causal_lm, final_softcap=final_softcap),
-            packed_attention_rule(arch, multimodal_model or text_model, text_config=multimodal_model is not None)]
+            packed_attention_rule(arch, multimodal_model or text_model, text_config=multimodal_model is not None,
+                                  image_blocks=image_blocks)]
 
 
 def rules():
@@ -47,4 +49,5 @@ def gemma4_rules(arch: str, modeling, causal_lm: type, multimodal_model: type | 
             glu_mlp_rule(arch, modeling.Gemma4TextMLP),
             moe_experts_rule(arch, modeling, "Gemma4TextExperts"),
             *causal_lm_rules(arch, causal_lm, final_softcap=True),
-            packed_attention_rule(arch, multimodal_model or text_model, text_config=multimodal_model is not None)]
+            packed_attention_rule(arch, multimodal_model or text_model, text_config=multimodal_model is not None,
+                                  image_blocks="mm_token_type_ids" if multimodal_model is not None else None)]

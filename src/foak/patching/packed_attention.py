@@ -346,10 +346,13 @@ def _argument_reader(forward, name: str):
     return read
 
 
-def packed_attention_rule(arch: str, stack_class: type, text_config: bool = False) -> Rule:
+def packed_attention_rule(arch: str, stack_class: type, text_config: bool = False,
+                          image_blocks: str | None = None) -> Rule:
     """The ``fast_packed_attention`` rule of a decoder whose stack (``<Arch>Model``) is ``stack_class``. With
     ``text_config``, ``stack_class`` is a multimodal model (e.g. Gemma3Model) that builds its text tower's
-    masks itself from ``config.get_text_config()``, which the text tower's attention layers read."""
+    masks itself from ``config.get_text_config()``, which the text tower's attention layers read.
+    ``image_blocks``: the forward argument (e.g. ``token_type_ids``) whose non-zero entries mark image tokens
+    that attend to each other both ways: a batch with any keeps transformers' mask (counted in the row)."""
     config_of = (lambda m: m.config.get_text_config()) if text_config else (lambda m: m.config)
     rule_id = f"{arch}.packed_attention"
 
@@ -384,6 +387,8 @@ def packed_attention_rule(arch: str, stack_class: type, text_config: bool = Fals
         read_mask = _argument_reader(original, "attention_mask")
         read_input = _argument_reader(original, "input_ids")
         read_embeds = _argument_reader(original, "inputs_embeds")
+        read_blocks = _argument_reader(original, image_blocks) if image_blocks else None
+        row, with_images = state.result, [0]
 
         def forward(self, *args, **kwargs):
             position_ids = read_ids(args, kwargs)
@@ -392,8 +397,16 @@ def packed_attention_rule(arch: str, stack_class: type, text_config: bool = Fals
             # and the previous implementation (counted as "attention dropout")
             config = config_of(self)
             dropout = self.training and float(getattr(config, "attention_dropout", 0.0) or 0.0) > 0
-            if isinstance(position_ids, torch.Tensor) and read_mask(args, kwargs) is None and position_ids.dim() == 2 \
-                    and not dropout:
+            blocks = read_blocks(args, kwargs) if read_blocks is not None else None
+            if isinstance(blocks, torch.Tensor) and (torch.compiler.is_compiling() or bool(blocks.ne(0).any())):
+                # bidirectional image blocks: transformers' mask (and the previous implementation) for this batch
+                if not torch.compiler.is_compiling():
+                    with_images[0] += 1
+                    n = with_images[0]
+                    row.note_runtime("images", f"{n} forward{'s' if n != 1 else ''} with image tokens "
+                                     f"({image_blocks}) kept transformers' mask (bidirectional image blocks)")
+            elif isinstance(position_ids, torch.Tensor) and read_mask(args, kwargs) is None \
+                    and position_ids.dim() == 2 and not dropout:
                 source = read_input(args, kwargs)
                 source = read_embeds(args, kwargs) if source is None else source
                 batch = source.shape[0] if isinstance(source, torch.Tensor) else position_ids.shape[0]
