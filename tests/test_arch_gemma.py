@@ -20,7 +20,8 @@ def test_softcap_check_accepts_exactly_tanh_of_the_scaled_loss():
     cap = 30.0
     assert _follows_from(torch.tanh(loss / cap) * cap, loss, None, cap)
     for other in (loss, loss / cap, torch.tanh(loss) * cap, torch.tanh(loss / cap) * cap + 1,
-                  torch.sigmoid(loss / cap) * cap, torch.tanh(loss * cap) * cap):
+                  torch.sigmoid(loss / cap) * cap, torch.tanh(loss * cap) * cap, torch.tanh(loss / 20.0) * 20.0,
+                  torch.tanh(loss / cap) * 20.0, torch.tanh(loss / cap) * torch.tensor(cap, requires_grad=True)):
         assert not _follows_from(other, loss, None, cap)
     assert not _follows_from(torch.tanh(loss / cap) * cap, loss, None, None)  # no softcap expected
 

@@ -359,12 +359,21 @@ def _same(a, b) -> bool:
     return a is b or (not isinstance(a, torch.Tensor) and not isinstance(b, torch.Tensor) and a == b)
 
 
-def _softcapped(logits, loss) -> bool:
-    """``logits`` is ``(tanh(loss / cap)) * cap``: the three steps of a final-logit softcap (Gemma 2/3/4)."""
+def _saved_constant(fn) -> float | None:
+    """The constant a ``x * c`` / ``x / c`` autograd node saved (a Python number is saved as a 0-d tensor)."""
+    other = getattr(fn, "_saved_other", None)
+    return float(other) if isinstance(other, torch.Tensor) and other.dim() == 0 else None
+
+
+def _softcapped(logits, loss, cap: float) -> bool:
+    """``logits`` is ``tanh(loss / cap) * cap``: the three steps of a final-logit softcap (Gemma 2/3/4), this
+    cap's."""
     steps = ("MulBackward0", "TanhBackward0", "DivBackward0")
     fn = getattr(logits, "grad_fn", None)
     for i, name in enumerate(steps):
         if fn is None or type(fn).__name__ != name:
+            return False
+        if name != "TanhBackward0" and _saved_constant(fn) != cap:
             return False
         inputs = [f for f, _ in fn.next_functions if f is not None]
         if i == len(steps) - 1:
@@ -381,7 +390,7 @@ def _follows_from(logits, loss, divisor, softcap=None) -> bool:
     (``softcap``), ``tanh(loss / cap) * cap``: nothing else happened between the head and the loss that the
     fused head would have had to apply."""
     if softcap is not None:
-        return _softcapped(logits, loss) if loss.requires_grad else logits is not loss
+        return _softcapped(logits, loss, softcap) if loss.requires_grad else logits is not loss
     if logits is loss or not loss.requires_grad:
         return logits is loss or divisor is not None
     fn = getattr(logits, "grad_fn", None)
