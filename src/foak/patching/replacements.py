@@ -269,10 +269,11 @@ def rope_rule(arch: str, attention_class: type, function_name: str = "apply_rota
 # fused_linear_loss: while a patched causal LM computes a training loss (labels given, grad enabled), its
 # lm_head computes the loss itself, inside its own forward: foak's linear_cross_entropy on (hidden,
 # lm_head.weight) with the labels the causal LM's forward received (a per-thread _LossRequest), and
-# returns it; the model's loss_function receives that tensor (divided by Granite's logits_scaling, which the
-# head has already applied to its logits) and returns it as the loss. So the [tokens, vocab] logits never
-# exist, the output's ``logits`` is None, and the head's weight is read only where a wrapper that shards it
-# (FSDP2, FSDP1, ZeRO-3) has gathered it: inside the head's call. Without labels, or without grad
+# returns it; the model's loss_function receives that tensor (divided by Granite's logits_scaling, or
+# softcapped by Gemma's final_logit_softcapping, which the head has already applied to its logits) and
+# returns it as the loss. So the [tokens, vocab] logits never exist, the output's ``logits`` is None, and
+# the head's weight is read only where a wrapper that shards it (FSDP2, FSDP1, ZeRO-3) has gathered it:
+# inside the head's call. Without labels, or without grad
 # (evaluation wants logits), the model runs unchanged.
 # The loss runs at the end of the forward, while every saved activation is alive, so its transient chunk
 # adds to the step's peak. 512 MiB chunks (vs the op's 112 MiB default) measured +2.4% tokens/s on the
