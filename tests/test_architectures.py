@@ -38,6 +38,38 @@ COMMON = {"vocab_size": VOCAB, "hidden_size": 64, "intermediate_size": 96, "num_
 MOE = {"num_experts_per_tok": 2, "output_router_logits": True, "router_aux_loss_coef": 0.1}
 
 
+# Gemma 1/2/3: (1 + w) norms (with Gemma 3's q/k norms), RoPE, GeGLU MLP, both losses, packed attention
+GEMMA_ROWS = {"rms_norm": 2 * 2 + 1, "rms_norm_recompute": 1, "fused_lora_qkv": 0, "rope": 2, "swiglu": 2,
+              "fused_linear_loss": 1, "packed_attention": 1, "fused_lora": 0}
+
+# a local (sliding-window) and a global layer, the window shorter than the batches; q/k norms; softcapped head
+GEMMA3_TEXT = {**COMMON, "head_dim": 16, "sliding_window": WINDOW, "final_logit_softcapping": 3.0,
+               "layer_types": ["sliding_attention", "full_attention"]}
+# the vision tower of the multimodal configs: 16x16 images of 4x4 patches
+TINY_SIGLIP = {"hidden_size": 32, "intermediate_size": 48, "num_hidden_layers": 1, "num_attention_heads": 2,
+               "image_size": 16, "patch_size": 4}
+
+# Gemma 4's quirks at once: a local and two global layers (the last one reusing the second's K/V, with a
+# double-wide MLP; the global ones with k as v and a wider head), per-layer inputs, a MoE block beside each
+# MLP, a softcapped head. Heads of 8 / 16: Gemma 4 scales its attention logits by 1 (q/k norms instead), so
+# with wider heads the softmax saturates and the fp32 LoRA gradients lose digits on both sides (unpatched vs
+# patched packed ~7e-4 at 16 / 32; equal to 1e-15 in fp64, where foak's ops are not defined)
+GEMMA4_TEXT = {**COMMON, "num_hidden_layers": 3, "head_dim": 8, "global_head_dim": 16, "sliding_window": WINDOW,
+               "layer_types": ["sliding_attention", "full_attention", "full_attention"],
+               "num_kv_shared_layers": 1, "use_double_wide_mlp": True, "attention_k_eq_v": True,
+               "num_global_key_value_heads": 1, "hidden_size_per_layer_input": 8, "vocab_size_per_layer_input": VOCAB,
+               "enable_moe_block": True, "num_experts": 4, "top_k_experts": 2, "moe_intermediate_size": 32,
+               "final_logit_softcapping": 3.0}
+# norms: 4 per layer, q/k/v (q only in the sharing layer), the per-layer input's, the MoE block's 4 (router
+# included), the stack's and the per-layer projection's
+GEMMA4_ROWS = {"rms_norm": 3 * (4 + 1 + 4) + 2 * 3 + 1 + 2, "rms_norm_recompute": 1, "fused_lora_qkv": 0, "rope": 3,
+               "swiglu": 3, "moe": 3, "fused_linear_loss": 1, "packed_attention": 1, "fused_lora": 0}
+VISION_NORMS = 4 + 3 + 1  # the tiny vision tower: one layer (4 norms, q/k/v norms), the embedder's norm
+TINY_GEMMA4_VISION = {"hidden_size": 32, "intermediate_size": 48, "num_hidden_layers": 1, "num_attention_heads": 2,
+                      "num_key_value_heads": 2, "head_dim": 16, "patch_size": 4, "pooling_kernel_size": 2,
+                      "position_embedding_size": 64}
+
+
 @dataclass
 class Spec:
     config: str  # transformers' config class
@@ -92,6 +124,24 @@ SPECS: dict[str, Spec] = {
                        "fused_linear_loss": 1, "packed_attention": 1, "fused_lora": 0}),
 
     # ---- Gemma family and multimodal text towers (gemma*, mistral3) ----
+    "gemma": Spec("GemmaConfig", "GemmaForCausalLM", {**COMMON, "head_dim": 16}, GEMMA_ROWS),
+    "gemma2": Spec("Gemma2Config", "Gemma2ForCausalLM",  # final and attention-logit softcaps on (their defaults)
+                   {**COMMON, "head_dim": 16, "sliding_window": WINDOW, "final_logit_softcapping": 3.0},
+                   {**GEMMA_ROWS, "rms_norm": 4 * 2 + 1, "packed_attention": 0}),
+    "gemma3_text": Spec("Gemma3TextConfig", "Gemma3ForCausalLM", GEMMA3_TEXT,
+                        {**GEMMA_ROWS, "rms_norm": 6 * 2 + 1}),
+    "gemma3": Spec("Gemma3Config", "Gemma3ForConditionalGeneration",  # (+1 norm: the projector's)
+                   {"text_config": GEMMA3_TEXT, "vision_config": TINY_SIGLIP, "mm_tokens_per_image": 4},
+                   {**GEMMA_ROWS, "rms_norm": 6 * 2 + 1 + 1}),
+    "gemma4_text": Spec("Gemma4TextConfig", "Gemma4ForCausalLM", GEMMA4_TEXT, GEMMA4_ROWS),
+    "gemma4": Spec("Gemma4Config", "Gemma4ForConditionalGeneration",  # MoE: gemma4_text's (with it, this init's
+                   # fp32 LoRA gradients lose digits on both sides: 1.2e-5)
+                   {"text_config": {**GEMMA4_TEXT, "enable_moe_block": False}, "vision_config": TINY_GEMMA4_VISION},
+                   {**GEMMA4_ROWS, "rms_norm": GEMMA4_ROWS["rms_norm"] - 3 * 4 + VISION_NORMS, "moe": 0}),
+    "mistral3": Spec("Mistral3Config", "Mistral3ForConditionalGeneration",  # its text tower: a Mistral model
+                     {"text_config": {**COMMON, "model_type": "mistral", "sliding_window": WINDOW},
+                      "vision_config": {**TINY_SIGLIP, "model_type": "pixtral", "head_dim": 16}},
+                     GEMMA_ROWS),
 
     # ---- MoE (qwen2_moe, glm4_moe, deepseek_v3, llama4, granitemoeshared) ----
     # layer 0 dense (mlp_only_layers), layer 1 sparse with the shared expert and its sigmoid gate

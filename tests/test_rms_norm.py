@@ -78,6 +78,30 @@ def test_gemma_offset_is_one_plus_weight():
     assert relative_error(y, expected) < 1e-6
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", [(37, 129), (3, 17000)])  # one block per row; the chunked path
+@pytest.mark.parametrize("residual", [False, True])
+def test_gemma4_matches_reference(shape, residual, dtype):
+    errors = assert_case(rms_norm_case(shape, mode="olmo", residual=residual), dtype)
+    assert {"out0", "grad_x", "grad_weight"} <= set(errors)
+
+
+def test_gemma4_multiplies_in_fp32_like_hf():
+    """Gemma 4's norm: (x * rsqrt(mean(x^2) + eps) * w) in fp32, one rounding to bf16 at the end; with a ones
+    weight, its norms without a scale (with_scale=False) exactly."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(13, 65, generator=g).to(torch.bfloat16)
+    w = (torch.randn(65, generator=g) * 0.5 + 1).to(torch.bfloat16)
+    h = x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + 1e-6)
+    y = rms_norm(x, w, eps=1e-6, mode="olmo")
+    assert y.dtype == torch.bfloat16
+    assert (y.float() - (h * w.float()).to(torch.bfloat16).float()).abs().max() <= 2 ** -7 * h.abs().max()
+    assert relative_error(y, (h * w.float()).to(torch.bfloat16)) < 1e-3
+    unit = rms_norm(x, torch.ones(65, dtype=torch.bfloat16), eps=1e-6, mode="olmo")
+    assert torch.equal(unit, rms_norm(x, torch.zeros(65, dtype=torch.bfloat16), eps=1e-6, mode="gemma"))
+    assert relative_error(unit, h.to(torch.bfloat16)) < 1e-3
+
+
 def test_eps_is_used():
     x = torch.full((3, 16), 1e-3) * torch.randn(3, 16).sign()
     w = torch.ones(16)

@@ -30,6 +30,30 @@ def test_matches_reference(case, dtype):
     assert set(errors) == {"out0", "out1", "grad_q", "grad_k"}
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rotary_dim", [None, 10])
+def test_k_without_heads_rotates_q_alone(dtype, rotary_dim):
+    """A k of no heads (Gemma 4 rotates q and k in separate one-tensor calls): q's output and gradient are the
+    reference's, computed with a real k."""
+    g = torch.Generator().manual_seed(0)
+    B, H, S, D = 2, 3, 9, 18
+    rot = rotary_dim or D
+    x = torch.randn(B, S, H, D, generator=g).to(dtype).requires_grad_()
+    angles = torch.rand(1, S, rot // 2, generator=g) * 6.3
+    angles = torch.cat((angles, angles), dim=-1)
+    cos, sin = angles.cos().to(dtype), angles.sin().to(dtype)
+    q = x.transpose(1, 2)
+    out, k_out = rope(q, q[:, :0], cos, sin)
+    assert k_out.shape == (B, 0, S, D)
+    dy = torch.randn(out.shape, generator=g).to(dtype)
+    (dx,) = torch.autograd.grad(out, x, dy)
+    xr = x.detach().float().requires_grad_()
+    ref, _ = rope_reference(xr.transpose(1, 2), torch.zeros(B, 1, S, D), cos.float(), sin.float())
+    (dx_ref,) = torch.autograd.grad(ref, xr, dy.float())
+    tol = 1e-6 if dtype == torch.float32 else 1e-2
+    assert relative_error(out, ref) < tol and relative_error(dx, dx_ref) < tol
+
+
 def _complex_rotation(x, angles):
     """Independent formulation: pairs (x_i, x_{i+R/2}) rotated as complex numbers by the angle."""
     half = angles.shape[-1]

@@ -311,8 +311,8 @@ def verify_model(model, switches: list[str] | None = None) -> VerifyReport:
         raise ValueError(f"foak verify: weights in {dtype}; foak verify takes float32, bfloat16 or float16")
     base = copy.deepcopy(model).eval()  # dropout off: both sides see the same function
     base_kind = "LoRA" if peft_input else "model"
-    batches = {"padded": fixed_batch(model.config.vocab_size, device=device),
-               "packed": packed_batch(model.config.vocab_size, device=device)}
+    vocab_size = model.config.get_text_config().vocab_size  # a multimodal model's: its text model's
+    batches = {"padded": fixed_batch(vocab_size, device=device), "packed": packed_batch(vocab_size, device=device)}
     cache: dict = {}  # one reference at a time (the rows that share one are consecutive): memory of a real model
 
     def reference(unpatched_model, model_kind, batch_kind):

@@ -28,6 +28,13 @@ ARCHITECTURES = {
     "ministral": "foak.models.ministral",
 
     # ---- Gemma family and multimodal text towers (gemma*, mistral3) ----
+    "gemma": "foak.models.gemma",
+    "gemma2": "foak.models.gemma2",
+    "gemma3": "foak.models.gemma3",
+    "gemma3_text": "foak.models.gemma3_text",
+    "gemma4": "foak.models.gemma4",
+    "gemma4_text": "foak.models.gemma4_text",
+    "mistral3": "foak.models.mistral3",
 
     # ---- MoE (qwen2_moe, glm4_moe, deepseek_v3, llama4, granitemoeshared) ----
     "qwen2_moe": "foak.models.qwen2_moe",

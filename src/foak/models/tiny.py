@@ -10,6 +10,21 @@ _COMMON = {"hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 2, "
 _MOE = {"num_local_experts": 4, "num_experts": 4, "num_experts_per_tok": 2, "output_router_logits": True}
 _GRANITE = {"logits_scaling": 3.0, "residual_multiplier": 0.5, "embedding_multiplier": 2.0,
             "attention_multiplier": 0.2}
+# Gemma 3: a local (sliding-window) and a global layer; multimodal configs: text_config gets _COMMON
+_GEMMA3_TEXT = {"head_dim": 16, "sliding_window": 8, "layer_types": ["sliding_attention", "full_attention"]}
+_TINY_SIGLIP = {"hidden_size": 32, "intermediate_size": 48, "num_hidden_layers": 1, "num_attention_heads": 2,
+                "image_size": 16, "patch_size": 4}
+# Gemma 4: a local and two global layers (the last reusing the second's K/V, double-wide MLP), k as v in the
+# global layers, per-layer inputs, MoE blocks (text model), a softcapped head
+_GEMMA4_TEXT = {"num_hidden_layers": 3, "head_dim": 8, "global_head_dim": 16, "sliding_window": 8,
+                "layer_types": ["sliding_attention", "full_attention", "full_attention"], "num_kv_shared_layers": 1,
+                "use_double_wide_mlp": True, "attention_k_eq_v": True, "num_global_key_value_heads": 1,
+                "hidden_size_per_layer_input": 8, "vocab_size_per_layer_input": _COMMON["vocab_size"],
+                "enable_moe_block": True, "num_experts": 4, "top_k_experts": 2, "moe_intermediate_size": 32,
+                "final_logit_softcapping": 30.0}
+_TINY_GEMMA4_VISION = {"hidden_size": 32, "intermediate_size": 48, "num_hidden_layers": 1, "num_attention_heads": 2,
+                       "num_key_value_heads": 2, "head_dim": 16, "patch_size": 4, "pooling_kernel_size": 2,
+                       "position_embedding_size": 64}
 
 _IDS = {"bos_token_id": 0, "eos_token_id": 1, "pad_token_id": 2}  # within the tiny vocabulary
 
@@ -35,6 +50,15 @@ TINY_CONFIGS = {
                                       "layer_types": ["sliding_attention", "full_attention"]}),
 
     # ---- Gemma family and multimodal text towers ----
+    "gemma": ("GemmaConfig", {"head_dim": 16}),
+    "gemma2": ("Gemma2Config", {"head_dim": 16, "sliding_window": 8}),
+    "gemma3_text": ("Gemma3TextConfig", _GEMMA3_TEXT),
+    "mistral3": ("Mistral3Config", {"text_config": {"model_type": "mistral", "sliding_window": 8},
+                                    "vision_config": {**_TINY_SIGLIP, "model_type": "pixtral", "head_dim": 16}}),
+    "gemma4_text": ("Gemma4TextConfig", _GEMMA4_TEXT),
+    "gemma4": ("Gemma4Config", {"text_config": {**_GEMMA4_TEXT, "enable_moe_block": False},
+                                "vision_config": _TINY_GEMMA4_VISION}),
+    "gemma3": ("Gemma3Config", {"text_config": _GEMMA3_TEXT, "vision_config": _TINY_SIGLIP, "mm_tokens_per_image": 4}),
 
     # ---- MoE ----
     "qwen2_moe": ("Qwen2MoeConfig", {**_MOE, "moe_intermediate_size": 48, "shared_expert_intermediate_size": 80,
@@ -87,6 +111,8 @@ def tiny_config(model_type: str = "llama"):
     config_class = getattr(transformers, class_name)
     params = dict(_COMMON) if model_type != "gpt_bigcode" else {"vocab_size": _COMMON["vocab_size"]}
     params.update(overrides)
+    if "text_config" in overrides:  # a multimodal config: the common dims are its text model's
+        params = {**overrides, "text_config": {**_COMMON, **overrides["text_config"]}}
     return config_class(**params)
 
 
@@ -94,5 +120,9 @@ def tiny_model(model_type: str = "llama", seed: int = 0):
     import torch
 
     torch.manual_seed(seed)
-    model = transformers.AutoModelForCausalLM.from_config(tiny_config(model_type))
+    config = tiny_config(model_type)
+    if "text_config" in TINY_CONFIGS[model_type][1]:  # multimodal: its ...ForConditionalGeneration
+        model = transformers.AutoModelForImageTextToText.from_config(config)
+    else:
+        model = transformers.AutoModelForCausalLM.from_config(config)
     return model.float()

@@ -6,7 +6,8 @@ Three weight conventions, each matching HuggingFace bit for bit in its casting:
 - ``mode="gemma"``: normalise in fp32, multiply by ``1 + weight`` in fp32, cast to the input dtype.
 - ``mode="olmo"``: normalise in fp32, multiply by ``weight`` in fp32, cast to the input dtype
   (``Olmo2RMSNorm``'s ``(weight * hidden).to(input_dtype)``: in bf16 the product is rounded once, not the
-  normalised input first as in "llama").
+  normalised input first as in "llama"). Gemma 4's norms too (weights that start at 1; its norms without a
+  scale with a ones weight).
 
 With ``residual=r`` the op returns ``(rms_norm(x + r), x + r)``: the sum is rounded to the input dtype
 first (as the HF decoder layer does) and both outputs are written in one pass.

@@ -184,7 +184,8 @@ def _launch(q, k, cos, sin, position_ids, backward: bool, out_dtype: torch.dtype
             cos, sin, cs_sb, cs_ss, pos, pos_sb, pos_ss,
             seq_len, n_q_heads, n_k_heads, half, head_dim,
             HAS_POS=position_ids is not None, BACKWARD=backward, INTERLEAVED=interleaved,
-            BLOCK_HQ=triton.next_power_of_2(n_q_heads), BLOCK_HK=triton.next_power_of_2(n_k_heads),
+            # (a k of no heads: q alone is rotated, e.g. Gemma 4's one-tensor calls)
+            BLOCK_HQ=triton.next_power_of_2(max(n_q_heads, 1)), BLOCK_HK=triton.next_power_of_2(max(n_k_heads, 1)),
             BLOCK_HALF=block_half, BLOCK_PASS=block_pass, num_warps=num_warps,
         )
     return q_out, k_out

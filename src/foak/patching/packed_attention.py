@@ -26,8 +26,9 @@ arguments, so unpacked batches compute exactly what they did (bit for bit); the 
 of both with the reasons. Unlike transformers' sdpa path, and like its flash-attention path, a packed batch
 with a KV cache is still computed per sequence. Calls the packed path does not take (attention dropout in
 training, an attention-logit softcap, ``output_attentions``, positional extra arguments, a cache that holds
-earlier tokens) run the previous implementation and are counted. None of foak's architectures has an
-attention softcap. GPTBigCode's attention receives no position_ids: it has no rule.
+earlier tokens) run the previous implementation and are counted. A model whose config sets an
+attention-logit softcap (Gemma 2's ``attn_logit_softcapping``) is left alone, and its row says so.
+GPTBigCode's attention receives no position_ids: it has no rule.
 
 Sliding-window layers of UNPACKED batches (Mistral's ``sliding_window``, ``layer_types`` holding
 ``sliding_attention``: Qwen2/3, Gemma's local layers): transformers builds a dense [B, 1, S, S] sliding-window
@@ -294,10 +295,10 @@ def _window_of_config(config) -> int | None:
     return window
 
 
-def _window_batch(module, declines: str | None, mask, past, source, position_ids, dropout: bool, previous: str):
+def _window_batch(config, declines: str | None, mask, past, source, position_ids, dropout: bool, previous: str):
     """(_WindowBatch, None) for an unpacked batch whose sliding-window layers foak computes, else (None, why
-    not; None where the model has no sliding-window layer)."""
-    config = module.config
+    not; None where the model has no sliding-window layer). ``config``: the one the attention layers read (a
+    multimodal model's text config)."""
     if _window_of_config(config) is None:
         return None, None
     if declines is not None:
@@ -637,13 +638,23 @@ def _argument_writer(forward, name: str):
     return write
 
 
-def packed_attention_rule(arch: str, stack_class: type) -> Rule:
-    """The ``fast_packed_attention`` rule of a decoder whose stack (``<Arch>Model``) is ``stack_class``."""
+def packed_attention_rule(arch: str, stack_class: type, text_config: bool = False,
+                          image_blocks: str | None = None) -> Rule:
+    """The ``fast_packed_attention`` rule of a decoder whose stack (``<Arch>Model``) is ``stack_class``. With
+    ``text_config``, ``stack_class`` is a multimodal model (e.g. Gemma3Model) that builds its text tower's
+    masks itself from ``config.get_text_config()``, which the text tower's attention layers read.
+    ``image_blocks``: the forward argument (e.g. ``token_type_ids``) whose non-zero entries mark image tokens
+    that attend to each other both ways: a batch with any keeps transformers' mask (counted in the row)."""
+    config_of = (lambda m: m.config.get_text_config()) if text_config else (lambda m: m.config)
     rule_id = f"{arch}.packed_attention"
 
     def skip_reason(model):
         if _hf() is None:
             return "this transformers has no attention-mask interface (transformers.masking_utils)"
+        config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+        if getattr(config, "attn_logit_softcapping", None):  # Gemma 2
+            return ("attn_logit_softcapping: foak's varlen attention has no attention-logit softcap; transformers' "
+                    "attention and block-causal mask run")
         return None
 
     def patch(module, model, state):
@@ -652,7 +663,7 @@ def packed_attention_rule(arch: str, stack_class: type) -> Rule:
         sinks = next((m for m in module.modules() if isinstance(getattr(m, "sinks", None), torch.Tensor)), None)
         if sinks is not None:
             return Skip(f"attention sinks ({type(sinks).__name__}.sinks): foak's varlen attention has no sink term")
-        config = module.config
+        config = config_of(module)
         attribute = _implementation_attribute(config)
         previous = getattr(config, attribute, None)
         if previous == IMPLEMENTATION:  # another patched model shares this config object
@@ -663,7 +674,7 @@ def packed_attention_rule(arch: str, stack_class: type) -> Rule:
             why = _NOT_TAKEN.get(previous, "foak takes over sdpa and eager only")
             return Skip(f"config._attn_implementation is {previous!r}: {why}")
         entry = _Entry(_counts_of(state, rule_id, previous), previous)
-        tagged = [m for m in module.modules() if getattr(m, "config", None) is config]
+        tagged = [m for m in module.modules() if getattr(m, "config", None) is config or m is module]
         for m in tagged:
             m.__dict__[_ENTRY_ATTR] = entry
         state.on_restore(lambda: [m.__dict__.pop(_ENTRY_ATTR, None) for m in tagged])
@@ -687,6 +698,8 @@ def packed_attention_rule(arch: str, stack_class: type) -> Rule:
             declines = "attention sinks"
         elif getattr(config, "attn_logit_softcapping", None) is not None:
             declines = "an attention-logit softcap"
+        read_blocks = _argument_reader(original, image_blocks) if image_blocks else None
+        row, with_images = state.result, [0]
 
         def forward(self, *args, **kwargs):
             position_ids = read_ids(args, kwargs)
@@ -694,25 +707,37 @@ def packed_attention_rule(arch: str, stack_class: type) -> Rule:
             seqs = None
             # attention dropout in training: the packed path has none, so the batch keeps transformers' mask
             # and the previous implementation (counted as "attention dropout")
-            dropout = self.training and float(getattr(self.config, "attention_dropout", 0.0) or 0.0) > 0
+            config = config_of(self)
+            dropout = self.training and float(getattr(config, "attention_dropout", 0.0) or 0.0) > 0
             source = read_input(args, kwargs)
             source = read_embeds(args, kwargs) if source is None else source
-            if isinstance(position_ids, torch.Tensor) and mask is None and position_ids.dim() == 2 and not dropout:
+            blocks = read_blocks(args, kwargs) if read_blocks is not None else None
+            images = isinstance(blocks, torch.Tensor) and (torch.compiler.is_compiling() or bool(blocks.ne(0).any()))
+            if images:
+                # bidirectional image blocks: transformers' mask (and the previous implementation) for this batch
+                if not torch.compiler.is_compiling():
+                    with_images[0] += 1
+                    n = with_images[0]
+                    row.note_runtime("images", f"{n} forward{'s' if n != 1 else ''} with image tokens "
+                                     f"({image_blocks}) kept transformers' mask (bidirectional image blocks)")
+            elif isinstance(position_ids, torch.Tensor) and mask is None and position_ids.dim() == 2 and not dropout:
                 batch = source.shape[0] if isinstance(source, torch.Tensor) else position_ids.shape[0]
                 if torch.compiler.is_compiling():  # packed or not is decided when the attention op runs
                     seqs = _AtRunTime(batch, position_ids.shape[1])
                 else:
                     seqs = _sequences_of(position_ids, batch)
             window = reason = None
-            if seqs is None:
-                window, reason = _window_batch(self, declines, mask, read_past(args, kwargs), source, position_ids,
+            if images:
+                reason = f"image tokens ({image_blocks})"
+            elif seqs is None:
+                window, reason = _window_batch(config, declines, mask, read_past(args, kwargs), source, position_ids,
                                                dropout, self.__dict__[_ENTRY_ATTR].previous)
                 if window is not None and isinstance(position_ids, torch.Tensor):
                     # ids of this forward's own, by which a recomputed layer finds its batch (see _WINDOWS)
                     position_ids = position_ids.clone()
                     args, kwargs = write_ids(args, kwargs, position_ids)
             outer = _CURRENT.forward
-            _CURRENT.forward = _Forward(self.config, self.__dict__[_ENTRY_ATTR], position_ids, seqs, window, reason)
+            _CURRENT.forward = _Forward(config, self.__dict__[_ENTRY_ATTR], position_ids, seqs, window, reason)
             try:
                 return call_next(self, rule_id, *args, **kwargs)
             finally:

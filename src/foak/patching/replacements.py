@@ -34,6 +34,16 @@ def rms_norm_rule(arch: str, norm_class: type, mode: str = "llama") -> Rule:
         if eps is None:
             raise ValueError(f"{arch}.rms_norm: {type(module).__name__} has no variance_epsilon/eps attribute")
 
+        if getattr(module, "weight", None) is None:  # a norm without a scale (Gemma 4's with_scale=False)
+            unit = 0.0 if mode == "gemma" else 1.0
+
+            def forward(self, hidden_states):
+                weight = torch.full(hidden_states.shape[-1:], unit, dtype=hidden_states.dtype,
+                                    device=hidden_states.device)
+                return rms_norm(hidden_states, weight, eps, mode, inplace_backward=False)
+
+            return forward
+
         def forward(self, hidden_states):
             # out-of-place backward: a decoder layer's input is also saved by activation checkpointing,
             # so writing dx into it would break (loudly) HF's gradient checkpointing
@@ -108,9 +118,10 @@ GLU_ACTIVATIONS = {"silu": "silu", "swish": "silu", "gelu": "gelu", "gelu_pytorc
 
 
 def _hidden_act(model: nn.Module) -> str:
-    for config in (model.config, getattr(model.config, "text_config", None)):  # a multimodal config: its text's
-        act = getattr(config, "hidden_act", None) or getattr(config, "hidden_activation", None)
-        if act:
+    config = model.config
+    for c in (config, config.get_text_config() if hasattr(config, "get_text_config") else config):
+        act = getattr(c, "hidden_act", None) or getattr(c, "hidden_activation", None)
+        if act:  # a multimodal model: its text config's
             return act
     return ""
 
@@ -271,10 +282,34 @@ def _foak_apply_rotary_pos_emb(original, half_cos_sin: bool = False, interleaved
     return apply_rotary_pos_emb
 
 
+def _foak_apply_rotary_pos_emb_one(original):
+    """The dispatcher of a modeling module whose ``apply_rotary_pos_emb(x, cos, sin, unsqueeze_dim)`` rotates one
+    tensor per call (Gemma 4: q, then k where the layer has its own): foak's rope with a k of no heads."""
+
+    def apply_rotary_pos_emb(x, cos, sin, *args, **kwargs):
+        if not _ROPE_ACTIVE.on:
+            return original(x, cos, sin, *args, **kwargs)
+        unsqueeze_dim = kwargs.pop("unsqueeze_dim", args[0] if args else 1)
+        if kwargs or len(args) > 1:
+            raise TypeError(f"foak rope: unexpected arguments {args[1:]}, {kwargs} for apply_rotary_pos_emb")
+        if unsqueeze_dim not in (1, 2):
+            raise ValueError(f"foak rope: unsqueeze_dim={unsqueeze_dim} is not supported (1 or 2)")
+        q = x.transpose(1, 2) if unsqueeze_dim == 2 else x  # [B, H, S, D]
+        out = rope(q, q[:, :0], cos, sin)[0]
+        return out.transpose(1, 2) if unsqueeze_dim == 2 else out
+
+    apply_rotary_pos_emb.__foak_original__ = original
+    return apply_rotary_pos_emb
+
+
 def _install_rope(module_name: str, attr: str, half_cos_sin: bool = False, interleaved: bool = False,
-                  input_dtype: bool = False):
+                  input_dtype: bool = False, one_tensor: bool = False):
     module = sys.modules[module_name]
-    replacement = _foak_apply_rotary_pos_emb(getattr(module, attr), half_cos_sin, interleaved, input_dtype)
+    original = getattr(module, attr)
+    if one_tensor:
+        replacement = _foak_apply_rotary_pos_emb_one(original)
+    else:
+        replacement = _foak_apply_rotary_pos_emb(original, half_cos_sin, interleaved, input_dtype)
     return globals_.replace_attribute(module, attr, replacement)
 
 
@@ -283,14 +318,16 @@ _QKV = ("q_proj", "k_proj", "v_proj")
 
 def rope_rule(arch: str, attention_class: type, function_name: str = "apply_rotary_pos_emb",
               half_cos_sin: bool = False, skip_module=None, interleaved: bool = False,
-              input_dtype: bool = False) -> Rule:
+              input_dtype: bool = False, one_tensor: bool = False) -> Rule:
     """``half_cos_sin``: the model's cos/sin hold one value per frequency ([..., D/2], gpt-oss), rotating
     ``[x1, x2]`` to ``[x1 cos - x2 sin, x2 cos + x1 sin]``: the same rotation as the rotate_half layout with
     cos/sin repeated, which the dispatcher builds ([B, S, D] per call) before foak's rope op.
     ``skip_module(attention) -> reason | None``: attention modules the rule leaves alone, with the reason in
     its row (e.g. SmolLM3's NoPE layers, which apply no rotary embedding). ``interleaved``: the modeling
     file's function rotates adjacent pairs (GLM's layout; foak.ops.rope's ``interleaved``). ``input_dtype``: it
-    returns q and k in their own dtype (OLMo's ``.to(q_type)``), not the promoted dtype of q and cos."""
+    returns q and k in their own dtype (OLMo's ``.to(q_type)``), not the promoted dtype of q and cos.
+    ``one_tensor``: the modeling module's function rotates one tensor per call, ``(x, cos, sin, unsqueeze_dim)``
+    (Gemma 4), instead of the (q, k) pair."""
     module_name = attention_class.__module__
 
     def skip_reason(model):
@@ -304,7 +341,7 @@ def rope_rule(arch: str, attention_class: type, function_name: str = "apply_rota
         why_not = skip_module(module) if skip_module is not None else None
         if why_not:
             return Skip(why_not)
-        options = (half_cos_sin, interleaved, input_dtype)
+        options = (half_cos_sin, interleaved, input_dtype, one_tensor)
         globals_.acquire_for(module, state, ("rope", module_name, function_name, *options),
                              functools.partial(_install_rope, module_name, function_name, *options))
 
@@ -383,10 +420,11 @@ def interleaved_rope_rule(arch: str, attention_class: type,
 # fused_linear_loss: while a patched causal LM computes a training loss (labels given, grad enabled), its
 # lm_head computes the loss itself, inside its own forward: foak's linear_cross_entropy on (hidden,
 # lm_head.weight) with the labels the causal LM's forward received (a per-thread _LossRequest), and
-# returns it; the model's loss_function receives that tensor (divided by Granite's logits_scaling, which the
-# head has already applied to its logits) and returns it as the loss. So the [tokens, vocab] logits never
-# exist, the output's ``logits`` is None, and the head's weight is read only where a wrapper that shards it
-# (FSDP2, FSDP1, ZeRO-3) has gathered it: inside the head's call. Without labels, or without grad
+# returns it; the model's loss_function receives that tensor (divided by Granite's logits_scaling, or
+# softcapped by Gemma's final_logit_softcapping, which the head has already applied to its logits) and
+# returns it as the loss. So the [tokens, vocab] logits never exist, the output's ``logits`` is None, and
+# the head's weight is read only where a wrapper that shards it (FSDP2, FSDP1, ZeRO-3) has gathered it:
+# inside the head's call. Without labels, or without grad
 # (evaluation wants logits), the model runs unchanged.
 # The loss runs at the end of the forward, while every saved activation is alive, so its transient chunk
 # adds to the step's peak. 512 MiB chunks (vs the op's 112 MiB default) measured +2.4% tokens/s on the
@@ -423,8 +461,14 @@ def _head_linears(head) -> list[nn.Linear]:
     return []
 
 
-def _causal_lm_skip_reason(model):
-    if getattr(model.config, "final_logit_softcapping", None):
+def _final_softcap(config) -> float | None:
+    """The final-logit softcap a causal LM applies between lm_head and its loss (Gemma 2/3/4), or None."""
+    text_config = config.get_text_config() if hasattr(config, "get_text_config") else config
+    return getattr(config, "final_logit_softcapping", None) or getattr(text_config, "final_logit_softcapping", None)
+
+
+def _causal_lm_skip_reason(model, serves_softcap: bool = False):
+    if not serves_softcap and getattr(model.config, "final_logit_softcapping", None):
         return "final_logit_softcapping is applied between lm_head and the loss (not a linear map)"
     if not _head_linears(getattr(model, "lm_head", None)):
         return "the model has no nn.Linear lm_head"
@@ -467,10 +511,38 @@ def _same(a, b) -> bool:
     return a is b or (not isinstance(a, torch.Tensor) and not isinstance(b, torch.Tensor) and a == b)
 
 
-def _follows_from(logits, loss, divisor) -> bool:
+def _saved_constant(fn) -> float | None:
+    """The constant a ``x * c`` / ``x / c`` autograd node saved (a Python number is saved as a 0-d tensor)."""
+    other = getattr(fn, "_saved_other", None)
+    return float(other) if isinstance(other, torch.Tensor) and other.dim() == 0 else None
+
+
+def _softcapped(logits, loss, cap: float) -> bool:
+    """``logits`` is ``tanh(loss / cap) * cap``: the three steps of a final-logit softcap (Gemma 2/3/4), this
+    cap's."""
+    steps = ("MulBackward0", "TanhBackward0", "DivBackward0")
+    fn = getattr(logits, "grad_fn", None)
+    for i, name in enumerate(steps):
+        if fn is None or type(fn).__name__ != name:
+            return False
+        if name != "TanhBackward0" and _saved_constant(fn) != cap:
+            return False
+        inputs = [f for f, _ in fn.next_functions if f is not None]
+        if i == len(steps) - 1:
+            return any(f is loss.grad_fn for f in inputs)
+        if len(inputs) != 1:  # a tensor, not a constant, entered this step besides the chain
+            return False
+        fn = inputs[0]
+    return False
+
+
+def _follows_from(logits, loss, divisor, softcap=None) -> bool:
     """``logits`` (what the model handed its loss function) is the head's ``loss`` itself or, for an
-    architecture that divides its logits (``divisor``), ``loss / divisor``: nothing else happened between the
-    head and the loss that the fused head would have had to apply."""
+    architecture that divides its logits (``divisor``), ``loss / divisor``, or, for one that softcaps them
+    (``softcap``), ``tanh(loss / cap) * cap``: nothing else happened between the head and the loss that the
+    fused head would have had to apply."""
+    if softcap is not None:
+        return _softcapped(logits, loss, softcap) if loss.requires_grad else logits is not loss
     if logits is loss or not loss.requires_grad:
         return logits is loss or divisor is not None
     fn = getattr(logits, "grad_fn", None)
@@ -478,14 +550,17 @@ def _follows_from(logits, loss, divisor) -> bool:
             and any(next_fn is loss.grad_fn for next_fn, _ in fn.next_functions))
 
 
-def fused_linear_loss_rule(arch: str, causal_lm_class: type, logits_divisor: str | None = None) -> Rule:
+def fused_linear_loss_rule(arch: str, causal_lm_class: type, logits_divisor: str | None = None,
+                           final_softcap: bool = False) -> Rule:
     """The loss runs inside the LM head's own forward (its ``__call__``), with the labels the causal LM's
     forward received: whatever gathers the head's parameters around its forward (FSDP2's ``fully_shard``,
     with or without ``reshard_after_forward``; FSDP1; DeepSpeed ZeRO-3) has them gathered for the loss and
     releases them right after it, and the backward passes through the head's own hooks. The head returns
     the loss; the model's loss function returns that same tensor. ``logits_divisor``: the config attribute by
     which the architecture divides its logits before the loss (Granite's ``logits_scaling``), applied inside
-    the loss; anything else between head and loss is an error."""
+    the loss; ``final_softcap``: the architecture applies ``config.final_logit_softcapping`` (its text
+    config's) as ``tanh(logits / cap) * cap`` before the loss (Gemma 2/3/4), which the fused loss applies
+    inside (foak.ops.linear_cross_entropy's ``softcap``); anything else between head and loss is an error."""
 
     rule_id = f"{arch}.fused_linear_loss"
 
@@ -494,6 +569,8 @@ def fused_linear_loss_rule(arch: str, causal_lm_class: type, logits_divisor: str
         lm_head = model_module.lm_head
         request = _LossRequest()
         divisor = float(getattr(model_module.config, logits_divisor)) if logits_divisor else None
+        softcap = _final_softcap(model_module.config) if final_softcap else None
+        softcap = float(softcap) if softcap else None
 
         def lm_head_forward(self, hidden_states):
             if request.args is None:
@@ -509,7 +586,7 @@ def fused_linear_loss_rule(arch: str, causal_lm_class: type, logits_divisor: str
                 target = target.reshape(-1)
             request.loss = linear_cross_entropy(
                 hidden, weight, target.to(hidden.device), self.bias, shift=shift, ignore_index=ignore_index,
-                num_items_in_batch=num_items_in_batch, logits_scaling=divisor or 1.0,
+                num_items_in_batch=num_items_in_batch, logits_scaling=divisor or 1.0, softcap=softcap,
                 chunk_bytes=fused_loss_chunk_bytes(weight))
             return request.loss
 
@@ -531,7 +608,7 @@ def fused_linear_loss_rule(arch: str, causal_lm_class: type, logits_divisor: str
                     "foak fused_linear_loss: the model called its loss with other labels / shift_labels / "
                     "ignore_index / num_items_in_batch than its forward received, which lm_head used; disable "
                     "fused_linear_loss for this model")
-            if not torch.compiler.is_compiling() and not _follows_from(logits, loss, divisor):
+            if not torch.compiler.is_compiling() and not _follows_from(logits, loss, divisor, softcap):
                 raise RuntimeError(
                     f"foak fused_linear_loss: {type(model_module).__name__} changed lm_head's output before its "
                     "loss in a way foak's fused head does not apply (a transformers version foak does not "
@@ -571,7 +648,8 @@ def fused_linear_loss_rule(arch: str, causal_lm_class: type, logits_divisor: str
 
         return forward
 
-    return Rule(rule_id, "fused_linear_loss", Trigger(causal_lm_class), patch, _causal_lm_skip_reason)
+    return Rule(rule_id, "fused_linear_loss", Trigger(causal_lm_class), patch,
+                functools.partial(_causal_lm_skip_reason, serves_softcap=final_softcap))
 
 
 def loss_rule(arch: str, causal_lm_class: type) -> Rule:
@@ -598,8 +676,10 @@ def loss_rule(arch: str, causal_lm_class: type) -> Rule:
     return Rule(rule_id, "loss", Trigger(causal_lm_class), patch)
 
 
-def causal_lm_rules(arch: str, causal_lm_class: type, logits_divisor: str | None = None) -> list[Rule]:
-    return [loss_rule(arch, causal_lm_class), fused_linear_loss_rule(arch, causal_lm_class, logits_divisor)]
+def causal_lm_rules(arch: str, causal_lm_class: type, logits_divisor: str | None = None,
+                    final_softcap: bool = False) -> list[Rule]:
+    return [loss_rule(arch, causal_lm_class),
+            fused_linear_loss_rule(arch, causal_lm_class, logits_divisor, final_softcap)]
 
 
 def decoder_rules(arch: str, modeling, prefix: str, gated_mlp: bool = True, logits_divisor: str | None = None,
