@@ -80,6 +80,9 @@ class Spec:
     kernels: bool = False  # run the Triton kernels instead of foak's reference ops
     batches: tuple = ("padded", "unpadded", "packed")
     lora: bool = True  # also compare with PEFT LoRA on every linear layer
+    # ill-conditioned in fp32 (e.g. Gemma 4's attention scale of 1): a gradient that misses 1e-5 vs transformers'
+    # fp32 passes when it is no farther from transformers' fp64 result than transformers' own fp32 is (x1.5)
+    fp64_arbiter: bool = False
     extra: dict = field(default_factory=dict)  # notes for a reader; not used by the tests
 
 # ---- Qwen3.5 hybrids: shared settings ----
@@ -137,7 +140,8 @@ SPECS: dict[str, Spec] = {
     "gemma4": Spec("Gemma4Config", "Gemma4ForConditionalGeneration",  # MoE: gemma4_text's (with it, this init's
                    # fp32 LoRA gradients lose digits on both sides: 1.2e-5)
                    {"text_config": {**GEMMA4_TEXT, "enable_moe_block": False}, "vision_config": TINY_GEMMA4_VISION},
-                   {**GEMMA4_ROWS, "rms_norm": GEMMA4_ROWS["rms_norm"] - 3 * 4 + VISION_NORMS, "moe": 0}),
+                   {**GEMMA4_ROWS, "rms_norm": GEMMA4_ROWS["rms_norm"] - 3 * 4 + VISION_NORMS, "moe": 0},
+                   fp64_arbiter=True),
     "mistral3": Spec("Mistral3Config", "Mistral3ForConditionalGeneration",  # its text tower: a Mistral model
                      {"text_config": {**COMMON, "model_type": "mistral", "sliding_window": WINDOW},
                       "vision_config": {**TINY_SIGLIP, "model_type": "pixtral", "head_dim": 16}},
@@ -288,17 +292,24 @@ def assert_close(out: torch.Tensor, ref: torch.Tensor, what: str, tol: float = T
     assert err <= tol, f"{what}: relative error {err:.3g} > {tol} ({out.flatten()[:4]} vs {ref.flatten()[:4]})"
 
 
-def assert_grads_close(grads: dict, ref_grads: dict, what: str):
+def assert_grads_close(grads: dict, ref_grads: dict, what: str, grads64: dict | None = None):
+    """Every gradient within TOL of the unpatched model's; with ``grads64`` (the unpatched model in fp64), one
+    that misses it passes when it is no farther from the fp64 gradient than the unpatched fp32 one is (x1.5)."""
     assert grads.keys() == ref_grads.keys()
-    compared = 0
+    compared = arbitrated = 0
     for name, g in grads.items():
         r = ref_grads[name]
         if g is None and r is None:
             continue
         assert g is not None and r is not None, f"{what}: grad of {name} is None on one side only"
-        assert_close(g, r, f"{what}: grad of {name}")
+        if grads64 is not None and relative_error(g, r) > TOL:
+            exact = grads64[name].float()
+            assert_close(g, exact, f"{what}: grad of {name} vs fp64", tol=1.5 * max(relative_error(r, exact), TOL))
+            arbitrated += 1
+        else:
+            assert_close(g, r, f"{what}: grad of {name}")
         compared += 1
-    assert compared > 0
+    assert compared > 0 and arbitrated <= compared // 4, (compared, arbitrated)
 
 
 _OPS = ("rms_norm", "rope", "glu", "glu_linear", "linear_cross_entropy", "cross_entropy")
@@ -383,9 +394,11 @@ def test_lora_patched_matches_peft(arch):
     report = patch(model, arch)
     fused = [r for r in report.results if r.switch == "lora" and r.modules]
     assert fused, f"no LoRA layer was fused\n{report}"
+    ref64 = copy.deepcopy(ref).double() if SPECS[arch].fp64_arbiter else None
     for kind in ("padded", "packed"):
         batch = batch_of(kind)
         out, grads = loss_and_grads(model, batch)
         ref_out, ref_grads = loss_and_grads(ref, batch)
         assert_close(out.loss, ref_out.loss, f"{arch} LoRA {kind} loss")
-        assert_grads_close(grads, ref_grads, f"{arch} LoRA {kind}")
+        grads64 = None if ref64 is None else loss_and_grads(ref64, batch)[1]
+        assert_grads_close(grads, ref_grads, f"{arch} LoRA {kind}", grads64)
