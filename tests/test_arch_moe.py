@@ -16,6 +16,7 @@ import copy
 
 import pytest
 import torch
+import transformers
 
 import foak
 from foak.patching import moe as moe_patching
@@ -276,3 +277,20 @@ def test_llama4_lora_on_the_experts_weights_is_left_to_transformers_and_said():
         _grads_close(model, ref, "LoRA on the experts' weights")
     finally:
         foak.restore(model)
+
+
+def test_a_llama4_checkpoint_is_served_as_its_text_model():
+    """A Llama-4 checkpoint's config.json says "llama4"; AutoModelForCausalLM builds Llama4ForCausalLM over its
+    text config ("llama4_text"), which foak serves: the CLI's --model checks accept it."""
+    from foak.models import ARCHITECTURES, LOADED_AS, served_model_type
+    from foak.train import check_architecture
+
+    config = transformers.Llama4Config(text_config=dict(
+        hidden_size=32, intermediate_size=48, intermediate_size_mlp=48, num_hidden_layers=1, num_attention_heads=2,
+        num_key_value_heads=1, head_dim=16, vocab_size=64, num_local_experts=2))
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(config)
+    assert model.config.model_type == served_model_type("llama4") == LOADED_AS["llama4"] in ARCHITECTURES
+    check_architecture("llama4", None)  # no error
+    with pytest.raises(ValueError, match="no kernels for model_type 'llama5'"):
+        check_architecture("llama5", type("A", (), {"model": "x"})())

@@ -123,10 +123,10 @@ def _load_verify_model(args, device, dtype):
     """(model, description) of --model: a local directory or a hub id (foak.model_source), a GPTQ 4-bit
     checkpoint through foak.quant.load_gptq."""
     from foak.model_source import resolve_model
-    from foak.models import ARCHITECTURES
+    from foak.models import ARCHITECTURES, served_model_type
 
     source = resolve_model(args.model, need_tokenizer=False)  # before transformers is imported: fails fast
-    if source.model_type not in ARCHITECTURES:
+    if served_model_type(source.model_type) not in ARCHITECTURES:
         raise ValueError(f"--model {args.model}: foak has no rules for model_type {source.model_type!r} "
                          f"(supported: {', '.join(sorted(ARCHITECTURES))}), so there is nothing to verify")
     from foak.verify import gptq_quantization

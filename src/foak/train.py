@@ -546,9 +546,9 @@ def resolve_config(foak_args):
 
 def check_architecture(model_type: str | None, foak_args) -> None:
     """foak's kernels need an architecture foak has rules for: otherwise say how to train without them."""
-    from foak.models import ARCHITECTURES
+    from foak.models import ARCHITECTURES, served_model_type
 
-    if model_type not in ARCHITECTURES:
+    if served_model_type(model_type) not in ARCHITECTURES:
         raise ValueError(
             f"--model {foak_args.model}: foak has no kernels for model_type {model_type!r} (supported: "
             f"{', '.join(sorted(ARCHITECTURES))}); pass --acceleration_config none to train it without foak's "

@@ -57,6 +57,17 @@ ARCHITECTURES = {
 }
 
 
+# checkpoints whose config.json names a model_type that AutoModelForCausalLM loads as another type foak serves
+# (a Llama-4 checkpoint's "llama4" config: Llama4ForCausalLM over its text config, "llama4_text")
+LOADED_AS = {"llama4": "llama4_text"}
+
+
+def served_model_type(checkpoint_model_type: str | None) -> str | None:
+    """The model_type foak patches when a checkpoint of ``checkpoint_model_type`` is loaded for causal LM
+    training (itself, or what :data:`LOADED_AS` says it loads as)."""
+    return LOADED_AS.get(checkpoint_model_type, checkpoint_model_type)
+
+
 def model_type_of(model) -> str:
     config = getattr(model, "config", None)
     model_type = getattr(config, "model_type", None)
