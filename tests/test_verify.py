@@ -111,3 +111,26 @@ def test_verify_names_what_it_did_not_check(monkeypatch):
     with pytest.raises(ValueError, match=r"nothing could be checked: packed_attention \(fast_packed_attention\): "
                                          r"patched no module .*'flex_attention'"):
         verify_model(model, ["packed_attention"])
+
+
+def test_fp64_arbiter_passes_rounding_sensitive_gradients_and_fails_wrong_ones():
+    """fp32: a gradient over 1e-5 vs the unpatched model passes only when it is as near the fp64 gradient as
+    the unpatched model's own fp32 run and its rounding-moved copies are (x FP64_ARBITER_FACTOR)."""
+    from foak.verify import FP64_ARBITER_FACTOR, _compare
+
+    exact_grad = torch.tensor([1.0, -1.0, 0.5, 2.0], dtype=torch.float64)
+    hf = exact_grad.float() * (1 + 4e-5)  # transformers' fp32: 4e-5 from fp64 (an ill-conditioned gradient)
+    moved = exact_grad.float() * (1 - 6e-5)  # a rounding-moved copy: 6e-5
+    exact = lambda: (torch.tensor(1.0, dtype=torch.float64), {"w": exact_grad}, [{"w": moved}])
+    ref = (torch.tensor(1.0), {"w": hf})
+    near = (torch.tensor(1.0), {"w": exact_grad.float() * (1 - 1e-4)})  # 1.4e-4 from hf, 1e-4 from fp64
+    _, _, err, bound, name, arbitrated = _compare(near, ref, None, torch.float32, exact)
+    assert arbitrated == 1 and name == "w" and err <= bound == pytest.approx(FP64_ARBITER_FACTOR * 6e-5, rel=1e-3)
+    far = (torch.tensor(1.0), {"w": exact_grad.float() * (1 - 3e-4)})  # 3e-4 from fp64: beyond 3 x 6e-5
+    _, _, err, bound, _, _ = _compare(far, ref, None, torch.float32, exact)
+    assert err > bound
+    zero = (torch.tensor(1.0), {"w": torch.zeros(4)})
+    _, _, err, bound, _, _ = _compare(zero, ref, None, torch.float32, exact)
+    assert err == pytest.approx(1.0) and bound < 1e-3
+    _, _, err, bound, _, arbitrated = _compare(near, ref, None, torch.float32, None)  # no arbiter: 1e-5
+    assert arbitrated == 0 and err > bound == 1e-5

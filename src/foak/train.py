@@ -405,7 +405,7 @@ def load_model_and_tokenizer(foak_args, training_args, source=None):
     import transformers
 
     if foak_args.model is None:
-        from foak.models.tiny import tiny_config
+        from foak.models.tiny import model_from_config, tiny_config
 
         tokenizer = char_tokenizer()
         arch = foak_args.arch or "llama"
@@ -416,7 +416,7 @@ def load_model_and_tokenizer(foak_args, training_args, source=None):
             part.pad_token_id, part.bos_token_id, part.eos_token_id = (
                 tokenizer.pad_token_id, tokenizer.bos_token_id, tokenizer.eos_token_id)
         torch.manual_seed(training_args.seed)
-        model = transformers.AutoModelForCausalLM.from_config(config)
+        model = model_from_config(config)
         label = "Llama" if arch == "llama" else arch
         name = f"tiny {label} (2 layers, hidden 64, built from a config)"
         if foak_args.peft == "qlora-nf4":
@@ -427,7 +427,7 @@ def load_model_and_tokenizer(foak_args, training_args, source=None):
             kwargs = _load_kwargs(foak_args, training_args)
             with tempfile.TemporaryDirectory(prefix="foak-tiny-") as tmp:
                 model.save_pretrained(tmp)
-                model = transformers.AutoModelForCausalLM.from_pretrained(tmp, **kwargs)
+                model = type(model).from_pretrained(tmp, **kwargs)
             model.name_or_path = model.config.name_or_path = ""  # as from_config: the temporary directory is gone
             name = f"tiny {label} (2 layers, hidden 64, built from a config, NF4-quantized by bitsandbytes)"
         else:

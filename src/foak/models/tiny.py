@@ -100,8 +100,15 @@ TINY_CONFIGS = {
         **_MOE, "moe_intermediate_size": 48, "shared_expert_intermediate_size": 32, "head_dim": 16,
         "layer_types": ["linear_attention", "full_attention"], "linear_key_head_dim": 8, "linear_value_head_dim": 8,
         "linear_num_key_heads": 2, "linear_num_value_heads": 4, "initializer_range": 0.05}),
-
 }
+_TINY_QWEN3_5_VISION = {"depth": 1, "hidden_size": 32, "intermediate_size": 32, "num_heads": 2, "out_hidden_size": 64,
+                        "patch_size": 4, "num_position_embeddings": 16}
+TINY_CONFIGS.update({  # the multimodal Qwen3.5 classes (AutoModelForImageTextToText): the text models above inside
+    "qwen3_5": ("Qwen3_5Config", {"text_config": TINY_CONFIGS["qwen3_5_text"][1],
+                                  "vision_config": _TINY_QWEN3_5_VISION}),
+    "qwen3_5_moe": ("Qwen3_5MoeConfig", {"text_config": TINY_CONFIGS["qwen3_5_moe_text"][1],
+                                         "vision_config": _TINY_QWEN3_5_VISION}),
+})
 
 
 def tiny_config(model_type: str = "llama"):
@@ -116,13 +123,16 @@ def tiny_config(model_type: str = "llama"):
     return config_class(**params)
 
 
+def model_from_config(config):
+    """The model a user trains for ``config``: its causal LM, or for a multimodal config (one with a
+    ``text_config``) its ...ForConditionalGeneration."""
+    if getattr(config, "text_config", None) is not None and config.get_text_config() is not config:
+        return transformers.AutoModelForImageTextToText.from_config(config)
+    return transformers.AutoModelForCausalLM.from_config(config)
+
+
 def tiny_model(model_type: str = "llama", seed: int = 0):
     import torch
 
     torch.manual_seed(seed)
-    config = tiny_config(model_type)
-    if "text_config" in TINY_CONFIGS[model_type][1]:  # multimodal: its ...ForConditionalGeneration
-        model = transformers.AutoModelForImageTextToText.from_config(config)
-    else:
-        model = transformers.AutoModelForCausalLM.from_config(config)
-    return model.float()
+    return model_from_config(tiny_config(model_type)).float()

@@ -314,6 +314,7 @@ def _install_rope(module_name: str, attr: str, half_cos_sin: bool = False, inter
 
 
 _QKV = ("q_proj", "k_proj", "v_proj")
+_ROPE_OPTIONS: dict = {}  # (rope, module, function) -> the dispatcher options its rules use
 
 
 def rope_rule(arch: str, attention_class: type, function_name: str = "apply_rotary_pos_emb",
@@ -342,7 +343,11 @@ def rope_rule(arch: str, attention_class: type, function_name: str = "apply_rota
         if why_not:
             return Skip(why_not)
         options = (half_cos_sin, interleaved, input_dtype, one_tensor)
-        globals_.acquire_for(module, state, ("rope", module_name, function_name, *options),
+        key = ("rope", module_name, function_name)
+        if _ROPE_OPTIONS.setdefault(key, options) != options:  # one modeling function, one way to route it
+            raise RuntimeError(f"foak rope: {module_name}.{function_name} is routed with options {options} here "
+                               f"and {_ROPE_OPTIONS[key]} by another rule")
+        globals_.acquire_for(module, state, key,
                              functools.partial(_install_rope, module_name, function_name, *options))
 
         def forward(self, *args, **kwargs):
