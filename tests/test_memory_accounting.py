@@ -23,7 +23,7 @@ import transformers
 import foak
 from memory_utils import saved_tensor_bytes, step_memory
 
-L, HIDDEN, INTERMEDIATE, LAYERS, VOCAB = 64, 32, 256, 3, 32
+L, HIDDEN, INTERMEDIATE, LAYERS, VOCAB = 32, 32, 256, 3, 32
 UNIT = L * INTERMEDIATE * 4  # one fp32 [L, I] tensor
 SLACK_FORWARD = L * HIDDEN * 4 + L * 4  # one fp32 [L, hidden] tensor and one fp32 value per token (see above)
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
@@ -80,18 +80,26 @@ def test_patched_model_adds_no_memory(lora, checkpointing):
     assert ours["peak"] <= base["peak"], summary
 
 
-def test_rms_norm_recompute_keeps_no_norm_input_under_checkpointing():
+@pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
+def test_rms_norm_recompute_keeps_no_norm_input_under_checkpointing(lora):
     """The rms_norm_recompute scope (foak.ops._recompute) must not keep the inputs of norms whose output
     nobody saved: under non-reentrant checkpointing that held every layer's post-attention norm input until
-    the decoder stack returned (LAYERS - 1 extra [L, hidden] tensors at the end of the forward)."""
-    ref = tiny_llama(False, False)
+    the decoder stack returned (LAYERS - 1 extra [L, hidden] tensors at the end of the forward). For LoRA
+    the baseline is fused_lora alone (PEFT's own layers keep more)."""
+    ref = tiny_llama(lora, False)
+    base_model = copy.deepcopy(ref)
     model = copy.deepcopy(ref)
-    foak.patch(model, fast_rms_layernorm=True)
+    extra = {"fused_lora": True} if lora else {}
+    if lora:
+        foak.patch(base_model, **extra)
+    foak.patch(model, fast_rms_layernorm=True, **extra)
     try:
         data = batch()
-        base, ours = step_memory(ref, data), step_memory(model, data)
+        base, ours = step_memory(base_model, data), step_memory(model, data)
     finally:
         foak.restore(model)
+        if lora:
+            foak.restore(base_model)
     # (+ the norm's fp32 row statistics, one value per token, alive at the forward's peak)
     assert ours["forward_peak"] <= base["forward_peak"] + L * 4, (units(ours["forward_peak"]),
                                                                    units(base["forward_peak"]))
