@@ -88,6 +88,36 @@ def test_checkpointed_regions_keep_their_own_hooks(recomputes):
         assert torch.allclose(g, gc, rtol=1e-6, atol=1e-6)
 
 
+def test_an_output_nobody_saved_keeps_no_input_alive(recomputes):
+    """Inside the scope, an offered output's recipe holds its inputs only once a consumer saved the output
+    as it: otherwise (e.g. a layer under activation checkpointing, whose hooks take the saved tensors) the
+    input dies when the program drops it, as it would without the scope."""
+    import weakref
+
+    from memory_utils import interpreter_launches_without_cycles  # (the interpreter's own cycles keep x)
+
+    x0, w, wq, _ = _leaves()
+    with interpreter_launches_without_cycles(), recomputing_outputs():
+        freed = []
+        x = x0 * 1.0
+        weakref.finalize(x.untyped_storage(), freed.append, "x")
+        y = rms_norm(x, w, 1e-6, inplace_backward=False)
+        with torch.no_grad():  # a consumer that saves nothing
+            y @ wq.t()
+        del x, y
+        assert freed == ["x"]
+        # the Python object of the input dropped, the output saved by a consumer: still a recipe (autograd's
+        # own saved copy of x keeps it alive)
+        x = x0 * 1.0
+        y = rms_norm(x, w, 1e-6, inplace_backward=False)
+        del x
+        loss = (y @ wq.t()).sum()
+    assert recomputes["handles"] == 1
+    del y
+    loss.backward()
+    assert recomputes["recomputed"] == 1
+
+
 def test_the_output_cannot_be_modified_in_place():
     # so a recipe cannot go stale: autograd refuses in-place changes of rms_norm's output (a custom
     # Function's view output), with or without the scope

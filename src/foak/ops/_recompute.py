@@ -42,10 +42,23 @@ class _Recipe:
         self.output = weakref.ref(output)
         self.version = output._version
         self.recompute = recompute
-        self.inputs = inputs
+        # weakly until a consumer saves the output as this recipe (:meth:`hold`): an offered output nobody
+        # saves must not keep its inputs alive for the rest of the scope. Under activation checkpointing
+        # that would keep every checkpointed layer's norm input until the decoder stack returns.
+        self.inputs = tuple(weakref.ref(t) for t in inputs)
         self.versions = [t._version for t in inputs]
         self.cache = None
         self.pending = 0  # saved handles not unpacked yet
+
+    def hold(self) -> bool:
+        """Keep the inputs from now on (a consumer saved the output as this recipe); False when one of them
+        is gone already (then the output is saved as itself)."""
+        if self.inputs and isinstance(self.inputs[0], weakref.ref):
+            inputs = tuple(ref() for ref in self.inputs)
+            if any(t is None for t in inputs):
+                return False
+            self.inputs = inputs
+        return True
 
     def value(self) -> torch.Tensor:
         if self.cache is None:
@@ -88,7 +101,7 @@ def _pack(t: torch.Tensor):
         return t
     output = recipe.output()
     if (output is None or output.untyped_storage().data_ptr() != t.untyped_storage().data_ptr()
-            or output.dtype != t.dtype or output._version != recipe.version):
+            or output.dtype != t.dtype or output._version != recipe.version or not recipe.hold()):
         return t  # a stale entry, or modified in place since it was computed: save it normally
     recipe.pending += 1
     return _Saved(recipe, t)
