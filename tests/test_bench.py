@@ -319,3 +319,25 @@ def test_every_builtin_model_is_an_architecture_foak_serves():
     models = {i.split("/")[0] for i in ids}
     assert models == {"mistral7b-8l-swa", "gemma3-1b", "phi3-mini-8l", "gptoss-8l", "qwen35-8l"}
     assert len(ids) == 3 * len(models)
+
+
+def test_longest_context_table_per_framework():
+    """The summary of a scenario that sweeps seq_length names each framework's longest length that ran and the
+    first that did not; the bundled long-context scenario sweeps 7 lengths for 3 frameworks."""
+    from foak.bench.report import longest_context_table
+
+    def row(fw, n, status, mem=None):
+        return {"model": "llama8b", "framework": fw, "peft": "lora", "batch_size": "1", "precision": "bf16",
+                "packing": "False", "gradient_checkpointing": "True", "seq_length": str(n), "status": status,
+                "peak_allocated_gib": mem, "tokens_per_s": 2000.0 if status == "ok" else None}
+
+    rows = [row("liger", 65536, "ok", 40.0), row("liger", 131072, "ok", 81.8), row("liger", 196608, "oom"),
+            row("foak", 65536, "ok", 35.0), row("foak", 131072, "ok", 70.0), row("foak", 196608, "ok", 100.0),
+            row("none", 65536, "oom"), row("none", 131072, "oom")]
+    table = longest_context_table(rows)
+    assert "| llama8b | liger | 131,072 | 81.8 | 2,000 | 196,608 (oom) |" in table
+    assert "| llama8b | foak | 196,608 | 100.0 | 2,000 | - |" in table
+    assert "| llama8b | none | 0 |  |  | 65,536 (oom) |" in table
+    assert longest_context_table(rows[:1]) == ""  # one length: no table
+    ids = [e["experiment"] for e in expand(load_scenario("long-context"))]
+    assert len(ids) == 21 and len({i.split("/")[2] for i in ids}) == 7

@@ -32,6 +32,10 @@ BUILTIN_MODELS: dict[str, BuiltinModel] = {
         hidden_size=4096, intermediate_size=14336, num_hidden_layers=8, num_attention_heads=32,
         num_key_value_heads=8, vocab_size=128256, max_position_embeddings=8192),
         2, 4096, "Llama-3-8B dims, 8 layers"),
+    "llama8b": BuiltinModel("LlamaConfig", dict(
+        hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
+        num_key_value_heads=8, vocab_size=128256, max_position_embeddings=1 << 20, rope_theta=500000.0),
+        1, 131072, "Llama-3.1-8B dims, all 32 layers (the long-context scenario)"),
     "mixtral-small": BuiltinModel("MixtralConfig", dict(
         hidden_size=2048, intermediate_size=5632, num_hidden_layers=8, num_attention_heads=16,
         num_key_value_heads=8, num_local_experts=8, num_experts_per_tok=2, vocab_size=32000,

@@ -120,6 +120,37 @@ def markdown_table(rows: list[dict], baseline: str | None) -> str:
     return "\n".join(lines) + "\n"
 
 
+_CONTEXT_KEY = ("model", "framework", "peft", "batch_size", "precision", "packing", "gradient_checkpointing")
+
+
+def longest_context_table(rows: list[dict]) -> str:
+    """Where a scenario sweeps seq_length (e.g. the bundled long-context one): per model and framework (the
+    other training arguments equal), the longest sequence that ran, its peak memory, and the shortest one
+    that did not (its status: oom, timeout...). Empty when no group has more than one length."""
+    groups: dict[tuple, list[dict]] = {}
+    for r in rows:
+        groups.setdefault(tuple(str(r.get(k)) for k in _CONTEXT_KEY), []).append(r)
+    lines = []
+    for key, group in groups.items():
+        lengths = {int(_num(r.get("seq_length")) or 0) for r in group}
+        if len(lengths) < 2:
+            continue
+        ok = [r for r in group if r.get("status") == "ok"]
+        best = max(ok, key=lambda r: int(_num(r["seq_length"]))) if ok else None
+        longest = int(_num(best["seq_length"])) if best else 0
+        failed = sorted((r for r in group if r.get("status") != "ok" and int(_num(r.get("seq_length")) or 0) > longest),
+                        key=lambda r: int(_num(r["seq_length"])))
+        first_fail = f"{int(_num(failed[0]['seq_length'])):,} ({failed[0].get('status')})" if failed else "-"
+        mem = f"{_memory(best)[0]:.1f}" if best and _memory(best)[0] is not None else ""
+        tps = f"{_num(best.get('tokens_per_s')):,.0f}" if best and _num(best.get("tokens_per_s")) else ""
+        lines.append(f"| {key[0]} | {key[1]} | {longest:,} | {mem} | {tps} | {first_fail} |")
+    if not lines:
+        return ""
+    head = ("| model | framework | longest sequence that ran | its peak GiB | its tokens/s | first that did not |\n"
+            "|---|---|---|---|---|---|\n")
+    return "\n## Longest context\n\n" + head + "\n".join(lines) + "\n"
+
+
 def _short(point: str) -> str:
     return point.replace("/", "\n", 1) if len(point) > 24 else point
 
@@ -223,7 +254,7 @@ def write_report(results: list[dict], env: dict, scenario_info: dict, out: Path)
     commit = env.get("foak_commit")
     commit = (commit[:10] + ("-dirty" if commit.endswith("-dirty") else "")) if commit else "no git"
     where = f"{env.get('gpu')}, torch {env.get('torch')}, foak {env.get('foak')} ({commit})"
-    table = markdown_table(results, baseline)
+    table = markdown_table(results, baseline) + longest_context_table(results)
     paths["markdown"].write_text(f"# foak bench: {scenario_info.get('name')}\n\n{scenario_info.get('description', '')}"
                                  f"\n\n{where}; {env.get('date_utc')}\n\n{table}")
     title = f"{scenario_info.get('name')}: {where}"
