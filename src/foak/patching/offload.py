@@ -132,6 +132,7 @@ class _Session:
         self.offloaded_bytes = 0
         self.offloaded_layers: set[int] = set()
         self.kept_layers: set[int] = set()
+        self.pinned = False
 
     def hooks(self, layer: int) -> torch.autograd.graph.saved_tensors_hooks:
         return torch.autograd.graph.saved_tensors_hooks(lambda t: self.pack(t, layer), self.unpack)
@@ -158,6 +159,7 @@ class _Session:
                 "Lower offload_budget_gib, free host memory, or switch offload_activations off") from err
         source = t.detach()
         if t.is_cuda:
+            self.pinned = True
             stream = self.budget.side_stream(t.device)
             stream.wait_stream(torch.cuda.current_stream(t.device))
             with torch.cuda.stream(stream):
@@ -248,6 +250,7 @@ def offload_activations_rule(arch: str, budget_gib: float | None = None) -> Rule
 
     def patch(module, model, state):
         row = state.result
+        row._backend = _BACKEND  # (what moves the tensors; no kernel runs here)
         counts = {"forwards": 0, "unchecked": 0}
 
         def forward(self, *args, **kwargs):
@@ -279,7 +282,7 @@ def offload_activations_rule(arch: str, budget_gib: float | None = None) -> Rule
             offloaded = len(session.offloaded_layers - session.kept_layers)
             kept = len(session.kept_layers)
             text = (f"last forward: {offloaded} of {len(layers)} checkpointed layers' inputs offloaded to "
-                    f"{'pinned CPU' if any(p.is_cuda for p in self.parameters()) else 'CPU'} memory "
+                    f"{'pinned CPU' if session.pinned else 'CPU'} memory "
                     f"({_gib(session.offloaded_bytes)})")
             if kept:
                 text += f", {kept} kept on the device: budget {_gib(budget.limit)} ({origin}) spent"
@@ -290,7 +293,16 @@ def offload_activations_rule(arch: str, budget_gib: float | None = None) -> Rule
 
         return forward
 
-    return Rule(rule_id, "offload_activations", Trigger(nn.Module, predicate=_is_decoder_stack), patch)
+    def skip_reason(model):
+        if any(_is_decoder_stack(m, model) for m in model.modules()):
+            return None
+        return ("no decoder stack whose layers are transformers GradientCheckpointingLayers (the layers HF's "
+                "gradient checkpointing wraps): nothing to offload")
+
+    return Rule(rule_id, "offload_activations", Trigger(nn.Module, predicate=_is_decoder_stack), patch, skip_reason)
+
+
+_BACKEND = "pinned host memory + side CUDA stream (CUDA); host copy (CPU)"
 
 
 _STATS = "_foak_offload_stats"
