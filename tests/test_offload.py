@@ -18,7 +18,8 @@ from foak.models.tiny import model_from_config, tiny_config, tiny_model
 from foak.patching import offload
 
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
-KERNELS = dict(fast_rms_layernorm=True, fast_rope_embeddings=True, fast_swiglu=True, fused_linear_loss=True)
+KERNELS = dict(fast_rms_layernorm=True, fast_rope_embeddings=True, fast_swiglu=True, fused_linear_loss=True,
+               fast_packed_attention=True)
 ROWS, WIDTH = 2, 12
 
 
@@ -111,6 +112,8 @@ def test_offloaded_equals_plain(arch, lora, reentrant, monkeypatch):
     # the rms_norm_recompute scope is entered outside the per-layer hooks: it acts, it does not step aside
     recompute = next(r for r in report.results if r.rule_id.endswith("rms_norm_recompute"))
     assert "stepped aside" not in recompute.notes, recompute.notes
+    packed = next(r for r in report.results if r.rule_id.endswith("packed_attention"))
+    assert "foak varlen attention ran 0 calls" not in packed.notes, packed.notes  # the packed path ran
 
 
 def test_saved_inputs_leave_the_autograd_graph():
@@ -214,3 +217,43 @@ def test_config_keys():
         config_from_kwargs(offload_activations=True, offload_budget_gib=0.0)
     with pytest.raises(ValueError, match="did you mean 'offload_activations'"):
         config_from_kwargs(offload_activation=True)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA: pinned memory, the side stream")
+@pytest.mark.parametrize("reentrant", [False, True], ids=["nonreentrant", "reentrant"])
+def test_cuda_inputs_leave_the_gpu(reentrant, monkeypatch):
+    # on the GPU: the same loss and gradients; the host copies are pinned; what the forward leaves allocated on
+    # the GPU drops by (at least) all but one layer input (the last layer's output is still the stack's)
+    config = tiny_config("llama")
+    config.num_hidden_layers, config.hidden_size, config.intermediate_size = 6, 256, 512
+    torch.manual_seed(0)
+    ref = model_from_config(config).float().cuda()
+    ref.config.use_cache = False
+    ref.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": reentrant})
+    ref.train()
+    if reentrant:
+        ref.enable_input_require_grads()
+    model = copy.deepcopy(ref)
+    foak.patch(model, offload_activations=True)
+    hosts = []
+    real = offload._host_buffer
+    monkeypatch.setattr(offload, "_host_buffer", lambda t: hosts.append(real(t)) or hosts[-1])
+    ids = torch.randint(0, config.vocab_size, (1, 4096), device="cuda", generator=torch.Generator("cuda").manual_seed(1))
+    data = {"input_ids": ids, "labels": ids}
+
+    def retained(m):
+        torch.cuda.synchronize()
+        before = torch.cuda.memory_allocated()
+        loss = m(**data).loss
+        torch.cuda.synchronize()
+        kept = torch.cuda.memory_allocated() - before
+        loss.backward()
+        m.zero_grad(set_to_none=True)
+        return kept
+
+    per_layer = 4096 * 256 * 4
+    base, ours = retained(ref), retained(model)
+    assert base - ours >= (config.num_hidden_layers - 1) * per_layer, (base, ours, per_layer)
+    assert hosts and all(h.is_pinned() for h in hosts)
+    assert_same(step(ref, data), step(model, data))
+    foak.restore(model)

@@ -254,9 +254,11 @@ def offload_activations_rule(arch: str, budget_gib: float | None = None) -> Rule
         counts = {"forwards": 0, "unchecked": 0}
 
         def forward(self, *args, **kwargs):
+            if torch.compiler.is_compiling():  # (saved-tensor hooks do not trace; the compiler plans memory)
+                return call_next(self, rule_id, *args, **kwargs)
             layers = _checkpointed_layers(self) if self.training and torch.is_grad_enabled() else []
-            if torch.compiler.is_compiling() or not layers:
-                if not torch.compiler.is_compiling() and self.training and torch.is_grad_enabled():
+            if not layers:
+                if self.training and torch.is_grad_enabled():
                     counts["unchecked"] += 1
                     row.note_runtime("no_checkpointing", (
                         f"{counts['unchecked']} training forward(s) without gradient checkpointing: nothing "
