@@ -144,7 +144,7 @@ class _Session:
         self.handles[layer].append(weakref.ref(handle))
         nbytes = t.numel() * t.element_size()
         if not self.budget.reserve(nbytes):
-            handle.kept = t
+            handle.kept = t.detach()  # (no reference to the autograd graph from the handle)
             self.kept_layers.add(layer)
             return handle
         handle.nbytes, handle.device = nbytes, t.device
