@@ -212,19 +212,21 @@ class _Session:
         return value
 
 
+def _layer_lists(stack: nn.Module) -> list[nn.ModuleList]:
+    """The stack's direct ModuleList children that hold HF GradientCheckpointingLayers (``layers``, ``h``)."""
+    from transformers.modeling_layers import GradientCheckpointingLayer
+
+    return [child for child in stack.children() if isinstance(child, nn.ModuleList)
+            and any(isinstance(m, GradientCheckpointingLayer) for m in child)]
+
+
 def _checkpointed_layers(stack: nn.Module) -> list[nn.Module]:
-    layers = getattr(stack, "layers", None)
-    if not isinstance(layers, nn.ModuleList):
-        return []
-    return [m for m in layers if getattr(m, "gradient_checkpointing", False)
+    return [m for layers in _layer_lists(stack) for m in layers if getattr(m, "gradient_checkpointing", False)
             and callable(m.__dict__.get("_gradient_checkpointing_func"))]
 
 
 def _is_decoder_stack(module: nn.Module, model: nn.Module) -> bool:
-    from transformers.modeling_layers import GradientCheckpointingLayer
-
-    layers = getattr(module, "layers", None)
-    return isinstance(layers, nn.ModuleList) and any(isinstance(m, GradientCheckpointingLayer) for m in layers)
+    return bool(_layer_lists(module))
 
 
 def budget_bytes(budget_gib: float | None) -> int:
@@ -242,7 +244,7 @@ def budget_bytes(budget_gib: float | None) -> int:
 
 
 def offload_activations_rule(arch: str, budget_gib: float | None = None) -> Rule:
-    """The rule on every decoder stack (a module whose ``layers`` hold HF GradientCheckpointingLayers); see
+    """The rule on every decoder stack (a module with a ModuleList of HF GradientCheckpointingLayers); see
     the module docstring. One budget for all the stacks it patches."""
     rule_id = f"{arch}.offload_activations"
     budget = _Budget(budget_bytes(budget_gib))
@@ -298,7 +300,7 @@ def offload_activations_rule(arch: str, budget_gib: float | None = None) -> Rule
     def skip_reason(model):
         if any(_is_decoder_stack(m, model) for m in model.modules()):
             return None
-        return ("no decoder stack whose layers are transformers GradientCheckpointingLayers (the layers HF's "
+        return ("no module holding a ModuleList of transformers GradientCheckpointingLayers (the layers HF's "
                 "gradient checkpointing wraps): nothing to offload")
 
     return Rule(rule_id, "offload_activations", Trigger(nn.Module, predicate=_is_decoder_stack), patch, skip_reason)
