@@ -285,12 +285,12 @@ def offload_activations_rule(arch: str, budget_gib: float | None = None) -> Rule
             counts["forwards"] += 1
             offloaded = len(session.offloaded_layers - session.kept_layers)
             kept = len(session.kept_layers)
-            text = (f"last forward: {offloaded} of {len(layers)} checkpointed layers' inputs offloaded to "
+            text = (f"last forward of {type(self).__name__}: {offloaded} of {len(layers)} checkpointed layers' inputs offloaded to "
                     f"{'pinned CPU' if session.pinned else 'CPU'} memory "
                     f"({_gib(session.offloaded_bytes)})")
             if kept:
                 text += f", {kept} kept on the device: budget {_gib(budget.limit)} ({origin}) spent"
-            row.note_runtime("offloaded", text)
+            row.note_runtime(f"offloaded {type(self).__name__}", text)  # (one note per stack class: multimodal)
             state_of(self).update(layers=len(layers), offloaded_layers=offloaded, kept_layers=kept,
                                   offloaded_bytes=session.offloaded_bytes, forwards=counts["forwards"])
             return out
