@@ -258,3 +258,24 @@ def test_cuda_inputs_leave_the_gpu(reentrant, monkeypatch):
     assert hosts and all(h.is_pinned() for h in hosts)
     assert_same(step(ref, data), step(model, data))
     foak.restore(model)
+
+
+def test_under_an_outer_save_on_cpu():
+    # an outer saved-tensor hook (torch's save_on_cpu) around the whole model: foak's per-layer hooks are still
+    # the innermost around the checkpoint's save, so the layer inputs go through the offload (and its budget);
+    # everything else goes to save_on_cpu, and the RMSNorm recompute steps aside as documented
+    ref = build("llama", lora=False, reentrant=False)
+    model = copy.deepcopy(ref)
+    foak.patch(ref, **KERNELS)
+    report = foak.patch(model, **KERNELS, offload_activations=True)
+    data = packed_batch(model.config.vocab_size)
+    with torch.autograd.graph.save_on_cpu():
+        expected = step(ref, data)
+    with torch.autograd.graph.save_on_cpu():
+        got = step(model, data)
+    assert_same(expected, got)
+    stack = stack_of(model)
+    assert offload.state_of(stack)["offloaded_layers"] == len(stack.layers)
+    assert "stepped aside in 1 of 1 forwards" in report.result("llama.rms_norm_recompute").notes
+    foak.restore(model)
+    foak.restore(ref)
