@@ -8,6 +8,10 @@ every linear layer, HF gradient checkpointing (non-reentrant unless --reentrant)
     python benchmarks/long_context.py --out $OUT --lengths 131072 196608 --frameworks foak liger
     python benchmarks/long_context.py --cpu-smoke            # tiny dims on CPU: the code path only
 
+Framework ``foak-offload``: foak's default switches plus ``offload_activations`` (the checkpointed layers'
+inputs in pinned host memory; ``--offload-budget-gib`` caps it, default half the available RAM); its record says
+how many layers were offloaded and how many bytes.
+
 Writes ``long_context_h200.json`` (one record per run: peak allocated GiB, step seconds, loss, or the error)
 and prints a table last.
 """
@@ -28,7 +32,8 @@ DIMS_TINY = dict(hidden_size=64, intermediate_size=256, num_hidden_layers=2, num
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
 
-def one_run(framework: str, length: int, reentrant: bool, smoke: bool) -> dict:
+def one_run(framework: str, length: int, reentrant: bool, smoke: bool, budget_gib: float | None = None,
+            warmup: int = 0) -> dict:
     import peft
     import torch
     import transformers
@@ -48,11 +53,21 @@ def one_run(framework: str, length: int, reentrant: bool, smoke: bool) -> dict:
     model.enable_input_require_grads()
     model.train()
     report = None
-    if framework == "foak":
+    if framework in ("foak", "foak-offload"):
         import foak
+        from foak.config import config_from_kwargs
+        from foak.patching import default_config
 
-        report = foak.patch(model)
+        acceleration = default_config(model)
+        if framework == "foak-offload":
+            switches = {**acceleration.model_dump(exclude={"mode"}), "offload_activations": True,
+                        "offload_budget_gib": budget_gib}
+            acceleration = config_from_kwargs(acceleration.mode, **switches)
+        report = foak.patch(model, acceleration)
     ids = torch.randint(3, config.vocab_size, (1, length), device=device)
+    for _ in range(warmup):  # e.g. the first step's pinned host allocations (foak-offload) left out of the timing
+        model(input_ids=ids, labels=ids).loss.backward()
+        model.zero_grad(set_to_none=True)
     if not smoke:
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
@@ -63,15 +78,28 @@ def one_run(framework: str, length: int, reentrant: bool, smoke: bool) -> dict:
     if not smoke:
         torch.cuda.synchronize()
     seconds = time.perf_counter() - start
-    record = {"framework": framework, "length": length, "reentrant": reentrant, "loss": float(loss),
+    record = {"framework": framework, "length": length, "reentrant": reentrant, "warmup_steps": warmup,
+              "loss": float(loss),
               "step_s": seconds, "tokens_per_s": length / seconds}
     if not smoke:
         record.update(peak_gib=torch.cuda.max_memory_allocated() / 2**30,
                       model_gib=base / 2**30, gpu=torch.cuda.get_device_name(0))
     if report is not None:
         record["report"] = str(report)
+    if framework == "foak-offload":
+        from foak.patching.offload import state_of
+
+        stacks = [m for m in model.modules() if "offloaded_layers" in state_of(m)]
+        record["offload"] = {k: sum(state_of(m)[k] for m in stacks)
+                             for k in ("layers", "offloaded_layers", "kept_layers", "offloaded_bytes")}
     record["versions"] = {m: __import__(m).__version__ for m in ("torch", "transformers", "peft")}
     return record
+
+
+def offloaded(record: dict) -> str:
+    o = record.get("offload")
+    return "" if not o else (f"{o['offloaded_layers']} of {o['layers']} layers offloaded "
+                             f"({o['offloaded_bytes'] / 2**30:.1f} GiB pinned)")
 
 
 def main() -> None:
@@ -83,9 +111,13 @@ def main() -> None:
     parser.add_argument("--cpu-smoke", action="store_true")
     parser.add_argument("--one", nargs=2, metavar=("FRAMEWORK", "LENGTH"))
     parser.add_argument("--timeout", type=float, default=300)
+    parser.add_argument("--warmup-steps", type=int, default=0, help="untimed steps before the measured one")
+    parser.add_argument("--offload-budget-gib", type=float, default=None,
+                        help="foak-offload: host memory for offloaded layer inputs (default: half the available RAM)")
     args = parser.parse_args()
     if args.one:
-        print("RESULT " + json.dumps(one_run(args.one[0], int(args.one[1]), args.reentrant, args.cpu_smoke)))
+        print("RESULT " + json.dumps(one_run(args.one[0], int(args.one[1]), args.reentrant, args.cpu_smoke,
+                                                  args.offload_budget_gib, args.warmup_steps)))
         return
     lengths = [64, 256] if args.cpu_smoke else args.lengths
     frameworks = [f for f in args.frameworks if not (args.cpu_smoke and f == "liger")]
@@ -94,6 +126,9 @@ def main() -> None:
         for framework in frameworks:
             command = [sys.executable, __file__, "--one", framework, str(length)]
             command += ["--reentrant"] * args.reentrant + ["--cpu-smoke"] * args.cpu_smoke
+            command += ["--warmup-steps", str(args.warmup_steps)]
+            if args.offload_budget_gib is not None:
+                command += ["--offload-budget-gib", str(args.offload_budget_gib)]
             try:
                 done = subprocess.run(command, capture_output=True, text=True, timeout=args.timeout,
                                       env=dict(os.environ, PYTORCH_CUDA_ALLOC_CONF="expandable_segments:True"))
@@ -115,7 +150,7 @@ def main() -> None:
     for r in records:
         print(f"| {r['framework']} | {r['length']} | {r.get('peak_gib', float('nan')):.1f} | "
               f"{r.get('step_s', float('nan')):.1f} | {r.get('tokens_per_s', float('nan')):.0f} | "
-              f"{r.get('error', '')} |")
+              f"{r.get('error', '') or offloaded(r)} |")
 
 
 if __name__ == "__main__":

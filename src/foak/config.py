@@ -59,6 +59,7 @@ SWITCH_TO_RULE = {
     "fused_lora": "lora",
     "fast_moe": "moe",
     "fast_packed_attention": "packed_attention",
+    "offload_activations": "offload_activations",
 }
 
 # The YAML tree above the switches: every valid key at every level (a stanza is a leaf here).
@@ -95,6 +96,10 @@ class AccelerationConfig(BaseModel):
     # varlen attention; unpacked batches run the previous attention implementation unchanged
     fast_packed_attention: bool = False
     base_layer: Literal["none", "bitsandbytes", "gptq"] = "none"
+    # under gradient checkpointing, the checkpointed layers' inputs live in pinned CPU memory until their
+    # recompute (foak.patching.offload); the budget caps the host memory (default: half the available RAM)
+    offload_activations: bool = False
+    offload_budget_gib: float | None = None
 
     @model_validator(mode="before")
     @classmethod
@@ -118,6 +123,11 @@ class AccelerationConfig(BaseModel):
                 "choice), fast_loss runs the cross-entropy kernel on materialised logits (use it when something "
                 "needs the logits)"
             )
+        if self.offload_budget_gib is not None and (not self.offload_activations or self.offload_budget_gib <= 0):
+            raise ValueError(
+                f"offload_budget_gib: {self.offload_budget_gib} in {where}: "
+                + ("it must be a positive number of GiB" if self.offload_activations else
+                   "it only applies with offload_activations: true; add that switch or remove the budget"))
         if self.mode == "full":
             if self.fused_lora:
                 raise ValueError(
@@ -196,6 +206,8 @@ def _expected_type(field: str) -> str:
         return "a boolean (true or false)"
     if get_origin(annotation) is Literal:
         return "one of " + ", ".join(repr(v) for v in get_args(annotation))
+    if annotation == float | None:
+        return "a number or null"
     return str(annotation)
 
 

@@ -315,7 +315,8 @@ def switches_to_check(model, switches: list[str] | None = None) -> tuple[list[st
     if not switches:  # nothing compared is never a pass
         raise ValueError(f"foak verify: no rule to check (available for this model: {available or 'none'})")
     skipped = {s: "not requested (--rules)" for s in available if s not in switches}
-    unavailable = [key for rule, key in SWITCH_KEYS.items() if rule not in available]
+    unavailable = [key for rule, key in SWITCH_KEYS.items()
+                   if rule not in available and rule != "offload_activations"]  # (not per architecture)
     switches = [s for s in available if s in switches]
     if "lora" in switches and not _is_peft(model):
         try:

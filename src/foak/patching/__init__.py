@@ -92,6 +92,10 @@ def patch(model, config=None, *, mixed_precision: str | None = None, **switches)
         raise ValueError("foak.patch: the config enables no kernel; nothing to patch")
     model_type = model_type_of(model)
     rules = rules_for(model)
+    if "offload_activations" in enabled:  # not per architecture: every decoder stack of HF checkpointing layers
+        from foak.patching.offload import offload_activations_rule
+
+        rules = [*rules, offload_activations_rule(model_type, cfg.offload_budget_gib)]
     # LoRA layers added after this call (get_peft_model, SFTTrainer(peft_config=...), add_adapter) are fused on
     # the model's next forward with foak's defaults or a config that enables fused_lora (foak.patching.new_layers)
     fuse_new = use_default or "lora" in enabled
