@@ -279,3 +279,19 @@ def test_embedded_default_of_every_architecture_trains(arch, tmp_path, reference
     assert summary["steps"] == 2 and all(map(lambda x: x == x, (summary["first_loss"], summary["final_loss"])))
     assert f"{arch}.fused_linear_loss" in summary["patch_report"] or f"{arch}.loss" in summary["patch_report"]
     assert type(summary["model"]).__name__ == type(tiny_model(arch)).__name__
+
+
+def test_long_context_preset(tmp_path, reference_ops):
+    """--long_context: checkpointing on and the long-context switches on top of foak's defaults (the offload row
+    says every checkpointed layer's input went to CPU memory); it refuses a run without checkpointing and a
+    YAML (whose switches it would otherwise override)."""
+    summary = train([*SMALL, "--max_steps", "2", "--long_context", "--output_dir", str(tmp_path),
+                     "--save_strategy", "no"])
+    assert summary["gradient_checkpointing"] is True
+    assert "offload_activations" in summary["patch_report"] and "2 of 2 checkpointed layers" in summary["patch_report"]
+    with pytest.raises(ValueError, match="--long_context needs gradient checkpointing"):
+        train(["--long_context", "--gradient_checkpointing", "false", "--output_dir", str(tmp_path)])
+    yaml_file = tmp_path / "k.yaml"
+    yaml_file.write_text("training:\n  fused_ops_and_kernels:\n    fast_rms_layernorm: true\n")
+    with pytest.raises(ValueError, match="put them in the YAML instead"):
+        train(["--long_context", "--acceleration_config", str(yaml_file), "--output_dir", str(tmp_path)])

@@ -97,6 +97,10 @@ class FoakArguments:
         "help": "JSONL file, one {'text': ...} or {'prompt': ..., 'response': ...} per line (a pair trains on "
                 "the response only); default: a generated corpus"})
     text_field: str = field(default="text", metadata={"help": "the JSONL field holding plain text"})
+    long_context: bool = field(default=False, metadata={
+        "help": "the long-context preset: gradient checkpointing (non-reentrant) and, on top of foak's default "
+                "kernels, the switches that keep long sequences in memory (LONG_CONTEXT_SWITCHES: the checkpointed "
+                "layers' inputs offloaded to pinned CPU memory, the MLP in sequence chunks); set --max_seq_length"})
     max_seq_length: int = field(default=128, metadata={"help": "longer sequences are truncated (and counted)"})
     packing: bool = field(default=False, metadata={
         "help": "padding-free packing: each batch one row, position_ids restarting per sequence"})
@@ -180,6 +184,10 @@ def parse_arguments(argv: list[str]):
                              f"{', '.join(sorted(TINY_CONFIGS))}")
     if foak_args.acceleration_config is not None and foak_args.acceleration_config.lower() == "none":
         foak_args.acceleration_config = "none"
+    if foak_args.long_context and foak_args.acceleration_config is not None:
+        raise ValueError("--long_context adds its switches to foak's default kernels; with --acceleration_config "
+                         f"put them in the YAML instead ({', '.join(long_context_switches())}: true) and drop "
+                         "--long_context")
     resolve_gradient_checkpointing(argv, foak_args, training_args)
     return foak_args, training_args
 
@@ -201,10 +209,14 @@ def _given_checkpointing(argv: list[str]) -> bool | None:
 
 def resolve_gradient_checkpointing(argv: list[str], foak_args, training_args) -> None:
     """Gradient checkpointing as the user asked; not asked: on for --peft qlora-nf4 (a QLoRA run is one that
-    saves memory: the quantized base leaves the activations as the largest part), off otherwise (HF's default).
-    Sets TrainingArguments' flag, so the Trainer turns it on (non-reentrant) or leaves it off."""
+    saves memory: the quantized base leaves the activations as the largest part) and --long_context, off
+    otherwise (HF's default). Sets TrainingArguments' flag, so the Trainer turns it on (non-reentrant) or
+    leaves it off."""
     given = _given_checkpointing(argv)
-    on = given if given is not None else foak_args.peft == "qlora-nf4"
+    if foak_args.long_context and given is False:
+        raise ValueError("--long_context needs gradient checkpointing (its offloading keeps the checkpointed layers' "
+                         "inputs): drop --gradient_checkpointing false")
+    on = given if given is not None else (foak_args.peft == "qlora-nf4" or foak_args.long_context)
     training_args.activation_checkpointing = training_args.gradient_checkpointing = bool(on)
     if on and not training_args.activation_checkpointing_kwargs:
         training_args.activation_checkpointing_kwargs = {"use_reentrant": False}
@@ -514,6 +526,25 @@ def apply_peft(model, foak_args, gradient_checkpointing: bool = False):
 
 
 # ---- the acceleration config --------------------------------------------------------------------------------
+LONG_CONTEXT_SWITCHES = ("offload_activations", "tiled_mlp")
+
+
+def long_context_switches() -> list[str]:
+    """The switches --long_context adds that this foak has."""
+    from foak.config import AccelerationConfig
+
+    return [s for s in LONG_CONTEXT_SWITCHES if s in AccelerationConfig.model_fields]
+
+
+def with_long_context(config):
+    """``config`` (foak's default for the model) plus :data:`LONG_CONTEXT_SWITCHES`."""
+    from foak.config import config_from_kwargs
+
+    switches = {s: True for s in type(config).model_fields if getattr(config, s) is True}
+    switches.update({s: True for s in long_context_switches()})
+    return config_from_kwargs("peft" if config.mode == "peft" else "full", **switches)
+
+
 def resolve_config(foak_args):
     """What to patch with: None (no foak: ``--acceleration_config none``), "default" (every switch foak has
     for the model, :func:`foak.patching.default_config`, chosen once the model is built) or the YAML's
@@ -752,6 +783,9 @@ def train(argv: list[str]) -> dict:
             from foak.patching import default_config
 
             config = default_config(model)
+            if foak_args.long_context:
+                config = with_long_context(config)
+                log.info(f"--long_context: gradient checkpointing and {', '.join(long_context_switches())}")
             log.info(f"foak kernels: every switch foak has for {model.config.model_type} "
                      f"({', '.join(s for s in type(config).model_fields if getattr(config, s) is True)}); "
                      "--acceleration_config none trains without them")
