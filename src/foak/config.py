@@ -59,6 +59,7 @@ SWITCH_TO_RULE = {
     "fused_lora": "lora",
     "fast_moe": "moe",
     "fast_packed_attention": "packed_attention",
+    "tiled_mlp": "tiled_mlp",
 }
 
 # The YAML tree above the switches: every valid key at every level (a stanza is a leaf here).
@@ -95,6 +96,10 @@ class AccelerationConfig(BaseModel):
     # varlen attention; unpacked batches run the previous attention implementation unchanged
     fast_packed_attention: bool = False
     base_layer: Literal["none", "bitsandbytes", "gptq"] = "none"
+    # the gated MLP in sequence chunks in forward and backward (long context); chunk size in tokens, None: the
+    # model's hidden size. Opt-in: one more MLP forward per step
+    tiled_mlp: bool = False
+    tiled_mlp_chunk_tokens: int | None = None
 
     @model_validator(mode="before")
     @classmethod
@@ -118,6 +123,13 @@ class AccelerationConfig(BaseModel):
                 "choice), fast_loss runs the cross-entropy kernel on materialised logits (use it when something "
                 "needs the logits)"
             )
+        if self.tiled_mlp_chunk_tokens is not None:
+            if self.tiled_mlp_chunk_tokens <= 0:
+                raise ValueError(f"{where}.tiled_mlp_chunk_tokens must be a positive number of tokens, got "
+                                 f"{self.tiled_mlp_chunk_tokens}")
+            if not self.tiled_mlp:
+                raise ValueError(f"tiled_mlp_chunk_tokens is set in {where} but tiled_mlp is off; set tiled_mlp: "
+                                 "true, or remove tiled_mlp_chunk_tokens")
         if self.mode == "full":
             if self.fused_lora:
                 raise ValueError(
@@ -194,6 +206,8 @@ def _expected_type(field: str) -> str:
     annotation = AccelerationConfig.model_fields[field].annotation
     if annotation is bool:
         return "a boolean (true or false)"
+    if annotation == (int | None):
+        return "a positive integer (or null)"
     if get_origin(annotation) is Literal:
         return "one of " + ", ".join(repr(v) for v in get_args(annotation))
     return str(annotation)
