@@ -69,7 +69,10 @@ class _Tiled(torch.autograd.Function):
         ctx.autocast = _autocast_state(x.device.type)
         ctx.rng = torch.get_rng_state()
         ctx.device_rng = torch.cuda.get_rng_state(x.device) if x.device.type == "cuda" else None
-        ctx.save_for_backward(x, *params)
+        ctx.save_for_backward(x)
+        # (the parameters themselves, not saved copies: the recompute must differentiate the very tensors the
+        # block reads, and a saved leaf unpacks as another Python object)
+        ctx.params = params
         flat = x.reshape(-1, x.shape[-1])
         with torch.no_grad():
             out = _run_chunks(fn, flat, size)
@@ -77,7 +80,8 @@ class _Tiled(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_out):
-        x, *params = ctx.saved_tensors
+        (x,) = ctx.saved_tensors
+        params = ctx.params
         flat = x.reshape(-1, x.shape[-1])
         g_flat = grad_out.reshape(-1, grad_out.shape[-1])
         want_x = ctx.needs_input_grad[2]

@@ -273,10 +273,12 @@ def tiled_mlp_rule(arch: str, triggers: list[Trigger]) -> Rule:
                 out = call_next(self, rule_id, x)
             else:
                 _check_not_fsdp(owner())
-                counts["tiled"] += 1
-                counts["chunks"] += -(-tokens // chunk)
                 params = [p for p in self.parameters() if p.requires_grad]
                 out = tiled(lambda xc: call_next(self, rule_id, xc), x, params, chunk)
+                # (counted once done: non-reentrant checkpointing's recompute stops early once the MLP input is
+                # saved again, before the chunks run)
+                counts["tiled"] += 1
+                counts["chunks"] += -(-tokens // chunk)
             row.note_runtime("tiled", f"{counts['tiled']} forwards tiled ({counts['chunks']} chunks of <= {chunk} "
                                       f"tokens), {counts['whole']} of < {2 * chunk} tokens ran whole")
             return out
