@@ -270,6 +270,7 @@ def test_switch_to_rule_mapping():
         "fused_lora": "lora",
         "fast_moe": "moe",
         "fast_packed_attention": "packed_attention",
+        "tiled_mlp": "tiled_mlp",
     }
 
 
