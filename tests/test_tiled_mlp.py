@@ -267,3 +267,51 @@ def test_tiled_mlp_lowers_the_peak(lora, checkpointing, reference_ops):
     assert ours["peak"] <= plain["peak"] - 3 * UNIT, summary
     if checkpointing is None:  # without checkpointing each layer kept g and u for the backward; now only x
         assert ours["retained"] <= plain["retained"] - 2 * UNIT * 2, summary  # 2 layers
+
+
+# ---- DDP and FSDP2 (two gloo processes) --------------------------------------------------------------------
+def _ranks(rank, world):
+    """Each rank: a tiled LoRA Llama under DDP on its half of the batch (gradients all-reduced by DDP's hooks,
+    which the tiled backward reaches through the ordinary graph), then the same model under FSDP2."""
+    import torch.distributed as dist
+
+    foak.set_backend("reference")
+    model = tiny("llama", True, False)
+    report = foak.patch(model, **defaults(model, tiled_mlp=True, tiled_mlp_chunk_tokens=8))
+    from torch.nn.parallel import DistributedDataParallel
+
+    run = DistributedDataParallel(model)
+    ids = batch()["input_ids"][rank:rank + 1]
+    run(input_ids=ids, labels=ids).loss.backward()
+    grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}
+    from torch.distributed.fsdp import fully_shard
+
+    sharded = tiny("llama", True, False)
+    foak.patch(sharded, **defaults(sharded, tiled_mlp=True, tiled_mlp_chunk_tokens=8))
+    for layer in sharded.base_model.model.model.layers:
+        fully_shard(layer)
+    fully_shard(sharded)
+    try:
+        sharded(input_ids=ids, labels=ids)
+        fsdp_error = None
+    except RuntimeError as err:
+        fsdp_error = str(err)
+    dist.barrier()
+    return {"grads": grads, "fsdp_error": fsdp_error, "tiled": report.result("llama.tiled_mlp").notes}
+
+
+def test_ddp_gets_the_tiled_gradients_and_fsdp2_is_refused(tmp_path, reference_ops):
+    from distributed_utils import run_ranks
+
+    results = run_ranks(_ranks, 2, tmp_path, preload=("torch", "torch.distributed.fsdp", "transformers", "peft"))
+    ref = tiny("llama", True, False)
+    ref.zero_grad(set_to_none=True)
+    ids = batch()["input_ids"]
+    # DDP averages the ranks' gradients: the mean of the two one-row losses' gradients
+    (ref(input_ids=ids[:1], labels=ids[:1]).loss / 2 + ref(input_ids=ids[1:], labels=ids[1:]).loss / 2).backward()
+    for out in results:
+        for name, p in ref.named_parameters():
+            if p.requires_grad:
+                assert (out["grads"][name] - p.grad).abs().max().item() <= TOL, name
+        assert out["tiled"].startswith("2 forwards tiled (6 chunks of <= 8 tokens)"), out["tiled"]  # 19 tokens, 2 layers
+        assert "wrapped by FSDP" in out["fsdp_error"]
