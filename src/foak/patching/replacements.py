@@ -265,12 +265,12 @@ def tiled_mlp_rule(arch: str, triggers: list[Trigger]) -> Rule:
         counts = row.__dict__.setdefault("tiled_counts", {"tiled": 0, "chunks": 0, "whole": 0})
 
         def forward(self, x, *args, **kwargs):
-            if args or kwargs or torch.compiler.is_compiling() or x.dim() < 2:
+            if torch.compiler.is_compiling():
                 return call_next(self, rule_id, x, *args, **kwargs)
             tokens = x.numel() // max(x.shape[-1], 1)
-            if tokens < 2 * chunk:
+            if args or kwargs or x.dim() < 2 or tokens < 2 * chunk:  # (extra arguments: not a per-token call)
                 counts["whole"] += 1
-                out = call_next(self, rule_id, x)
+                out = call_next(self, rule_id, x, *args, **kwargs)
             else:
                 _check_not_fsdp(owner())
                 params = [p for p in self.parameters() if p.requires_grad]
