@@ -121,6 +121,25 @@ def test_tiled_equals_plain_with_kernels():
     assert "triton" in report.result("llama.swiglu").backend
 
 
+def test_packed_batch(reference_ops):
+    """A packed row (position_ids restarting, no attention mask; foak's packed attention): tiled == foak without
+    tiling (the MLP is per token, chunks may span sequences)."""
+    ref = tiny("llama", True, False)
+    plain, model = copy.deepcopy(ref), copy.deepcopy(ref)
+    foak.patch(plain, **defaults(plain))
+    report = foak.patch(model, **defaults(model, tiled_mlp=True, tiled_mlp_chunk_tokens=8))
+    ids = batch(seq=19)["input_ids"].reshape(1, -1)
+    positions = torch.cat([torch.arange(n) for n in (11, 20, 7)]).unsqueeze(0)
+    data = {"input_ids": ids, "labels": ids, "position_ids": positions}
+    loss_ref, grads_ref = loss_and_grads(plain, data)
+    loss, grads = loss_and_grads(model, data)
+    assert abs(loss.item() - loss_ref.item()) <= TOL
+    for name, g in grads_ref.items():
+        assert (grads[name] - g).abs().max().item() <= TOL, name
+    assert "2 forwards tiled (10 chunks of <= 8 tokens)" in report.result("llama.tiled_mlp").notes
+    assert report.result("llama.packed_attention").modules
+
+
 def test_short_inputs_run_whole(reference_ops):
     ref = tiny("llama", False, None)
     model = copy.deepcopy(ref)
