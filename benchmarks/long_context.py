@@ -8,6 +8,8 @@ every linear layer, HF gradient checkpointing (non-reentrant unless --reentrant)
     python benchmarks/long_context.py --out $OUT --lengths 131072 196608 --frameworks foak liger
     python benchmarks/long_context.py --cpu-smoke            # tiny dims on CPU: the code path only
 
+Frameworks: none (HF alone), liger, foak (foak.patch defaults), foak-tiled (defaults + tiled_mlp).
+
 Writes ``long_context_h200.json`` (one record per run: peak allocated GiB, step seconds, loss, or the error)
 and prints a table last.
 """
@@ -48,10 +50,11 @@ def one_run(framework: str, length: int, reentrant: bool, smoke: bool) -> dict:
     model.enable_input_require_grads()
     model.train()
     report = None
-    if framework == "foak":
+    if framework in ("foak", "foak-tiled"):  # foak-tiled: foak's defaults + tiled_mlp (chunks of hidden size)
         import foak
 
-        report = foak.patch(model)
+        switches = foak.patching.default_config(model).model_dump(exclude={"mode"})
+        report = foak.patch(model, **{**switches, "tiled_mlp": framework == "foak-tiled"})
     ids = torch.randint(3, config.vocab_size, (1, length), device=device)
     if not smoke:
         torch.cuda.synchronize()
