@@ -140,6 +140,28 @@ def test_packed_batch(reference_ops):
     assert report.result("llama.packed_attention").modules
 
 
+@pytest.mark.parametrize("checkpointing", [None, False, True], ids=["no_ckpt", "ckpt", "ckpt_reentrant"])
+def test_extra_compute(checkpointing, reference_ops):
+    """Rows through each layer's gate_proj in one step (38 tokens, chunks of 8): untiled, 1 pass (2 under
+    checkpointing); tiled, one more, except under non-reentrant checkpointing, where the checkpoint's recompute
+    stops after the first chunk (early stop) and the tiled backward's recompute takes its place."""
+    rows = {}
+    for tiled_on in (False, True):
+        model = tiny("llama", False, checkpointing)
+        if checkpointing:
+            model.enable_input_require_grads()
+        count = [0]
+        for layer in model.model.layers:
+            layer.mlp.gate_proj.register_forward_hook(
+                lambda m, args, out: count.__setitem__(0, count[0] + args[0].numel() // args[0].shape[-1]))
+        foak.patch(model, fast_rms_layernorm=True, tiled_mlp=tiled_on, **({"tiled_mlp_chunk_tokens": 8} if tiled_on else {}))
+        loss_and_grads(model, batch())
+        rows[tiled_on] = count[0] / 2  # per layer
+    untiled = 38 * (1 if checkpointing is None else 2)
+    assert rows[False] == untiled
+    assert rows[True] == {None: untiled + 38, False: untiled + 8, True: untiled + 38}[checkpointing]
+
+
 def test_short_inputs_run_whole(reference_ops):
     ref = tiny("llama", False, None)
     model = copy.deepcopy(ref)

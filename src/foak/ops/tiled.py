@@ -14,7 +14,9 @@ inner tensors ([tokens, intermediate]) for more than ``chunk_tokens`` tokens at 
 ``params`` must hold every tensor that requires grad that ``fn`` reads besides ``x`` (the trainable
 parameters); the backward raises if ``fn`` reads one it was not given. The autocast state and the RNG state
 (dropout inside ``fn``) of the forward are restored for the recompute. Cost: one more forward of ``fn`` (the
-recompute) per backward.
+recompute) per backward, except under non-reentrant checkpointing when x is the last tensor the checkpointed
+region saves (a Llama-like layer's MLP): the forward saves x after computing only the first chunk, so the
+checkpoint's recompute stops there (early stop) and the backward's recompute replaces the checkpoint's.
 """
 
 from __future__ import annotations
@@ -73,10 +75,14 @@ class _Tiled(torch.autograd.Function):
         # (the parameters themselves, not saved copies: the recompute must differentiate the very tensors the
         # block reads, and a saved leaf unpacks as another Python object)
         ctx.params = params
+        # only the first chunk here (for the output's shape and dtype); :func:`tiled` fills in the others after
+        # this returns, i.e. after autograd saved x: non-reentrant checkpointing's recompute stops at that save
+        # when it is the layer's last (early stop), so a recompute does not run the whole block for nothing
         flat = x.reshape(-1, x.shape[-1])
-        with torch.no_grad():
-            out = _run_chunks(fn, flat, size)
-        return out.view(*x.shape[:-1], out.shape[-1])
+        y = fn(flat[:size])
+        out = y.new_empty((*x.shape[:-1], y.shape[-1]))
+        out.view(-1, y.shape[-1])[: y.shape[0]] = y
+        return out
 
     @staticmethod
     def backward(ctx, grad_out):
@@ -147,4 +153,13 @@ def tiled(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor, params: S
         flat = x.reshape(-1, x.shape[-1])
         out = _run_chunks(fn, flat, chunk_tokens)
         return out.view(*x.shape[:-1], out.shape[-1])
-    return _Tiled.apply(fn, chunk_tokens, x, *params)
+    out = _Tiled.apply(fn, chunk_tokens, x, *params)
+    flat, out_flat = x.reshape(-1, x.shape[-1]), out.view(-1, out.shape[-1])
+    with torch.no_grad():  # the other chunks (see _Tiled.forward), into the graph's output
+        for s, e in _chunks(flat.shape[0], chunk_tokens)[1:]:
+            y = fn(flat[s:e])
+            if y.shape != (e - s, out_flat.shape[1]):
+                raise ValueError(f"tiled: fn returned {tuple(y.shape)} for a chunk of {e - s} tokens; it must return "
+                                 f"[tokens, {out_flat.shape[1]}] (a per-token block)")
+            out_flat[s:e] = y
+    return out

@@ -249,7 +249,7 @@ def tiled_mlp_rule(arch: str, triggers: list[Trigger]) -> Rule:
     [tokens, intermediate] tensor lives whole. Wraps whatever runs the MLP (the swiglu rule's forward, the
     fused LoRA MLP block, HF's forward), so it composes with them; the forward runs without grad and only the
     MLP input is kept, the backward recomputes and differentiates one chunk at a time (one extra MLP forward
-    per step). Only inputs of at least two chunks are tiled; shorter ones, and torch.compile, run the MLP
+    per step; under non-reentrant checkpointing of a layer whose MLP saves last, only one extra chunk). Only inputs of at least two chunks are tiled; shorter ones, and torch.compile, run the MLP
     whole (the report row counts both). Opt-in (``tiled_mlp``): it pays at long context, where the [L, I]
     tensors of the MLP's recompute/backward dominate a layer's peak."""
     rule_id = f"{arch}.tiled_mlp"
