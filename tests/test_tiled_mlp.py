@@ -162,6 +162,29 @@ def test_extra_compute(checkpointing, reference_ops):
     assert rows[True] == {None: untiled + 38, False: untiled + 8, True: untiled + 38}[checkpointing]
 
 
+@pytest.mark.parametrize("checkpointing", [None, False], ids=["no_ckpt", "ckpt"])
+def test_bf16_autocast_model(checkpointing, reference_ops):
+    """PEFT LoRA over fp32 weights under bf16 autocast (the MLP input cast per chunk by foak's MLP rule). The
+    loss equals untiled foak's; a weight gradient is the sum of per-chunk bf16 GEMMs (each rounded to bf16,
+    summed in fp32) instead of one bf16 GEMM, so each gradient is compared with the fp32 run's: tiled at most
+    2x as far from it as untiled foak (+ a floor of 2^-9, half a bf16 step)."""
+    ref = tiny("llama", True, checkpointing)
+    plain, model = copy.deepcopy(ref), copy.deepcopy(ref)
+    foak.patch(plain, **defaults(plain))
+    foak.patch(model, **defaults(model, tiled_mlp=True, tiled_mlp_chunk_tokens=8))
+    data = batch()
+    _, exact = loss_and_grads(plain, data)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        loss_ref, grads_ref = loss_and_grads(plain, data)
+        loss, grads = loss_and_grads(model, data)
+    assert abs(loss.item() - loss_ref.item()) <= 1e-6
+    for name, g in exact.items():
+        assert grads[name].dtype == torch.float32
+        scale = g.abs().max().clamp_min(1e-12)
+        err, err_ref = ((grads[name] - g).abs().max() / scale).item(), ((grads_ref[name] - g).abs().max() / scale).item()
+        assert err <= 2 * err_ref + 2 ** -9, (name, err, err_ref)
+
+
 def test_short_inputs_run_whole(reference_ops):
     ref = tiny("llama", False, None)
     model = copy.deepcopy(ref)
