@@ -13,6 +13,9 @@ Framework ``foak-offload``: foak's default switches plus ``offload_activations``
 inputs in pinned host memory; ``--offload-budget-gib`` caps it, default half the available RAM); its record says
 how many layers were offloaded and how many bytes.
 
+Frameworks: none (HF alone), liger, foak (foak.patch defaults), foak-tiled (defaults + tiled_mlp), foak-long
+(defaults + both: what `foak train --long_context` runs).
+
 Writes ``long_context_h200.json`` (one record per run: peak allocated GiB, step seconds, loss, or the error)
 and prints a table last.
 """
@@ -54,15 +57,20 @@ def one_run(framework: str, length: int, reentrant: bool, smoke: bool, budget_gi
     model.enable_input_require_grads()
     model.train()
     report = None
-    if framework in ("foak", "foak-offload"):
+    if framework in ("foak", "foak-offload", "foak-tiled", "foak-long"):
         import foak
         from foak.config import config_from_kwargs
         from foak.patching import default_config
 
+        # foak-offload: + offload_activations; foak-tiled: + tiled_mlp (chunks of the hidden size); foak-long: both
         acceleration = default_config(model)
-        if framework == "foak-offload":
-            switches = {**acceleration.model_dump(exclude={"mode"}), "offload_activations": True,
-                        "offload_budget_gib": budget_gib}
+        extra = {}
+        if framework in ("foak-offload", "foak-long"):
+            extra.update(offload_activations=True, offload_budget_gib=budget_gib)
+        if framework in ("foak-tiled", "foak-long"):
+            extra.update(tiled_mlp=True)
+        if extra:
+            switches = {**acceleration.model_dump(exclude={"mode"}), **extra}
             acceleration = config_from_kwargs(acceleration.mode, **switches)
         report = foak.patch(model, acceleration)
     ids = torch.randint(3, config.vocab_size, (1, length), device=device)
@@ -87,7 +95,7 @@ def one_run(framework: str, length: int, reentrant: bool, smoke: bool, budget_gi
                       model_gib=base / 2**30, gpu=torch.cuda.get_device_name(0))
     if report is not None:
         record["report"] = str(report)
-    if framework == "foak-offload":
+    if framework in ("foak-offload", "foak-long"):
         from foak.patching.offload import state_of
 
         stacks = [m for m in model.modules() if "offloaded_layers" in state_of(m)]

@@ -271,6 +271,7 @@ def test_switch_to_rule_mapping():
         "fast_moe": "moe",
         "fast_packed_attention": "packed_attention",
         "offload_activations": "offload_activations",
+        "tiled_mlp": "tiled_mlp",
     }
 
 

@@ -103,8 +103,8 @@ def test_verify_names_what_it_did_not_check(monkeypatch):
     text = format_report(report)
     assert "not checked: lora (fused_lora): peft is not installed" in text
     assert "no rule for this architecture: fast_moe" in text
-    assert text.splitlines()[-1] == ("verify: PASS: 1 of 1 checks passed; 6 rules not checked: fused_linear_loss, "
-                                     "loss, rms_norm, rope, swiglu, lora")
+    assert text.splitlines()[-1] == ("verify: PASS: 1 of 1 checks passed; 7 rules not checked: fused_linear_loss, "
+                                     "loss, rms_norm, rope, swiglu, tiled_mlp, lora")
     # a rule that patches nothing is named with the report's reason; nothing checked at all is an error
     model = tiny_model("llama")
     model.config._attn_implementation = "flex_attention"

@@ -60,6 +60,7 @@ SWITCH_TO_RULE = {
     "fast_moe": "moe",
     "fast_packed_attention": "packed_attention",
     "offload_activations": "offload_activations",
+    "tiled_mlp": "tiled_mlp",
 }
 
 # The YAML tree above the switches: every valid key at every level (a stanza is a leaf here).
@@ -100,6 +101,10 @@ class AccelerationConfig(BaseModel):
     # recompute (foak.patching.offload); the budget caps the host memory (default: half the available RAM)
     offload_activations: bool = False
     offload_budget_gib: float | None = None
+    # the gated MLP in sequence chunks in forward and backward (long context); chunk size in tokens, None: the
+    # model's hidden size. Opt-in: one more MLP forward per step
+    tiled_mlp: bool = False
+    tiled_mlp_chunk_tokens: int | None = None
 
     @model_validator(mode="before")
     @classmethod
@@ -128,6 +133,13 @@ class AccelerationConfig(BaseModel):
                 f"offload_budget_gib: {self.offload_budget_gib} in {where}: "
                 + ("it must be a positive number of GiB" if self.offload_activations else
                    "it only applies with offload_activations: true; add that switch or remove the budget"))
+        if self.tiled_mlp_chunk_tokens is not None:
+            if self.tiled_mlp_chunk_tokens <= 0:
+                raise ValueError(f"{where}.tiled_mlp_chunk_tokens must be a positive number of tokens, got "
+                                 f"{self.tiled_mlp_chunk_tokens}")
+            if not self.tiled_mlp:
+                raise ValueError(f"tiled_mlp_chunk_tokens is set in {where} but tiled_mlp is off; set tiled_mlp: "
+                                 "true, or remove tiled_mlp_chunk_tokens")
         if self.mode == "full":
             if self.fused_lora:
                 raise ValueError(
@@ -204,6 +216,8 @@ def _expected_type(field: str) -> str:
     annotation = AccelerationConfig.model_fields[field].annotation
     if annotation is bool:
         return "a boolean (true or false)"
+    if annotation == (int | None):
+        return "a positive integer (or null)"
     if get_origin(annotation) is Literal:
         return "one of " + ", ".join(repr(v) for v in get_args(annotation))
     if annotation == float | None:

@@ -431,10 +431,14 @@ def verify_model(model, switches: list[str] | None = None) -> VerifyReport:
     return VerifyReport(dtype, rows, skipped, unavailable)
 
 
+VERIFY_TILE_TOKENS = 4  # tiled_mlp's chunk in verify: small, so that its short batches are tiled (partial chunks)
+
+
 def _check(combo, name, model, model_kind, batch_kind, batches, reference, dtype, patch, skipped, exact=None):
     """One row: ``combo`` patched on a copy of the unpatched ``model``, against the references."""
     patched = copy.deepcopy(model)
-    report = patch(patched, **{SWITCH_KEYS[s]: True for s in combo})
+    options = {"tiled_mlp_chunk_tokens": VERIFY_TILE_TOKENS} if "tiled_mlp" in combo else {}
+    report = patch(patched, **{SWITCH_KEYS[s]: True for s in combo}, **options)
     modules = {s: sum(r.modules for r in report.results if r.switch == s) for s in combo}
     idle = [s for s in combo if not modules[s]]
     if idle and len(combo) == 1:  # patched nothing: skipped, with the report's reason
@@ -457,6 +461,11 @@ def _check(combo, name, model, model_kind, batch_kind, batches, reference, dtype
             why = ", ".join(f"{w} ({n})" for w, n in sorted(other.items())) or "it was never called"
             problems.append(f"{s}: the fused path never ran ({why})")
     notes = "; ".join(f"{r.rule_id}: {r.note}" for r in report.results if r.switch in combo and r.note)
+    if "tiled_mlp" in combo:  # the tiled path must have run (chunks of VERIFY_TILE_TOKENS)
+        tiled = next((r.runtime.get("tiled", "") for r in report.results if r.switch == "tiled_mlp"), "")
+        if not tiled or tiled.startswith("0 forwards tiled"):
+            problems.append(f"tiled_mlp: no forward was tiled ({tiled or 'never called'})")
+        notes = "; ".join(filter(None, [notes, tiled and f"tiled_mlp: {tiled}"]))
     if arbitrated:
         notes = "; ".join(filter(None, [notes, (
             f"{arbitrated} gradient{'s' if arbitrated > 1 else ''} over 1e-5 vs the unpatched fp32 model checked "

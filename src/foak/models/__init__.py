@@ -97,4 +97,9 @@ def rules_for(model):
     rope = next((i for i, r in enumerate(rules) if r.switch == "rope"), None)
     if rope is not None:
         rules.insert(rope, lora_attention_rule(model_type, rules[rope].trigger.module_class))
-    return [*rules, lora_linear_rule(model_type)]
+    from foak.patching.replacements import tiled_mlp_rule
+
+    # the tiled MLP wraps whatever runs the gated MLP (swiglu rule, fused LoRA block): after them in the list
+    mlp_triggers = [r.trigger for r in rules if r.switch == "swiglu"]
+    tiled = [tiled_mlp_rule(model_type, mlp_triggers)] if mlp_triggers else []
+    return [*rules, lora_linear_rule(model_type), *tiled]

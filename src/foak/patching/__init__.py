@@ -29,6 +29,7 @@ def default_config(model):
 
     rules = rules_for(model)
     available = {r.switch for r in rules} - NOT_IMPLEMENTED.keys()
+    available.discard("tiled_mlp")  # opt-in: it trades one more MLP forward per step for long-context memory
     peft = is_peft_model(model)
     if not peft:
         available.discard("lora")
@@ -96,6 +97,10 @@ def patch(model, config=None, *, mixed_precision: str | None = None, **switches)
         from foak.patching.offload import offload_activations_rule
 
         rules = [*rules, offload_activations_rule(model_type, cfg.offload_budget_gib)]
+    if cfg.tiled_mlp:
+        from foak.patching.replacements import TILED_MLP_CHUNK_ATTR
+
+        object.__setattr__(model, TILED_MLP_CHUNK_ATTR, cfg.tiled_mlp_chunk_tokens)
     # LoRA layers added after this call (get_peft_model, SFTTrainer(peft_config=...), add_adapter) are fused on
     # the model's next forward with foak's defaults or a config that enables fused_lora (foak.patching.new_layers)
     fuse_new = use_default or "lora" in enabled

@@ -10,6 +10,7 @@ from __future__ import annotations
 import functools
 import sys
 import threading
+import weakref
 
 import torch
 from torch import nn
@@ -228,6 +229,79 @@ def fused_glu_mlp_rule(arch: str, mlp_class: type) -> Rule:
 
     has_projections = lambda m, model: all(hasattr(m, p) for p in ("gate_up_proj", "down_proj"))
     return Rule(f"{arch}.swiglu", "swiglu", Trigger(mlp_class, predicate=has_projections), patch, skip_reason)
+
+
+def tiled_mlp_chunk_tokens(model: nn.Module) -> int:
+    """The chunk size of the tiled_mlp rule on ``model``: ``foak.patch(..., tiled_mlp_chunk_tokens=N)``, else
+    the hidden size (a [chunk, intermediate] tensor is then as large as one of the MLP's weight matrices)."""
+    chunk = model.__dict__.get(TILED_MLP_CHUNK_ATTR)
+    if chunk:
+        return chunk
+    config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    return int(getattr(config, "hidden_size", 0) or 4096)
+
+
+TILED_MLP_CHUNK_ATTR = "_foak_tiled_mlp_chunk_tokens"  # set on the model by foak.patch
+
+
+def tiled_mlp_rule(arch: str, triggers: list[Trigger]) -> Rule:
+    """The gated MLP computed in sequence chunks in the forward and in the backward (foak.ops.tiled): no
+    [tokens, intermediate] tensor lives whole. Wraps whatever runs the MLP (the swiglu rule's forward, the
+    fused LoRA MLP block, HF's forward), so it composes with them; the forward runs without grad and only the
+    MLP input is kept, the backward recomputes and differentiates one chunk at a time (one extra MLP forward
+    per step; under non-reentrant checkpointing of a layer whose MLP saves last, only one extra chunk). Only inputs of at least two chunks are tiled; shorter ones, and torch.compile, run the MLP
+    whole (the report row counts both). Opt-in (``tiled_mlp``): it pays at long context, where the [L, I]
+    tensors of the MLP's recompute/backward dominate a layer's peak."""
+    rule_id = f"{arch}.tiled_mlp"
+
+    def matches(module, model):
+        return any(isinstance(module, t.module_class) and (t.predicate is None or t.predicate(module, model))
+                   for t in triggers)
+
+    def patch(module, model, state):
+        from foak.ops.tiled import tiled
+
+        row, chunk, owner = state.result, tiled_mlp_chunk_tokens(model), weakref.ref(model)
+        counts = row.__dict__.setdefault("tiled_counts", {"tiled": 0, "chunks": 0, "whole": 0})
+
+        def forward(self, x, *args, **kwargs):
+            if torch.compiler.is_compiling():
+                return call_next(self, rule_id, x, *args, **kwargs)
+            tokens = x.numel() // max(x.shape[-1], 1)
+            if args or kwargs or x.dim() < 2 or tokens < 2 * chunk:  # (extra arguments: not a per-token call)
+                counts["whole"] += 1
+                out = call_next(self, rule_id, x, *args, **kwargs)
+            else:
+                _check_not_fsdp(owner())
+                params = [p for p in self.parameters() if p.requires_grad]
+                out = tiled(lambda xc: call_next(self, rule_id, xc), x, params, chunk)
+                # (counted once done: non-reentrant checkpointing's recompute stops early once the MLP input is
+                # saved again, before the chunks run)
+                counts["tiled"] += 1
+                counts["chunks"] += -(-tokens // chunk)
+            row.note_runtime("tiled", f"{counts['tiled']} forwards tiled ({counts['chunks']} chunks of <= {chunk} "
+                                      f"tokens), {counts['whole']} of < {2 * chunk} tokens ran whole")
+            return out
+
+        return forward
+
+    module_class = triggers[0].module_class if len({t.module_class for t in triggers}) == 1 else nn.Module
+    return Rule(rule_id, "tiled_mlp", Trigger(module_class, predicate=matches), patch)
+
+
+def _check_not_fsdp(model: nn.Module | None) -> None:
+    """Refuse under FSDP (1 or 2): it frees and re-gathers parameters around each wrapped module's forward and
+    backward, which foak has not verified the tiled backward's recompute against (a recompute that read other
+    tensors than the forward was given would raise in foak.ops.tiled; silently losing gradients is excluded)."""
+    if model is None:
+        return
+    for m in model.modules():
+        name = type(m).__name__
+        if name == "FullyShardedDataParallel" or any(c.__name__ == "FSDPModule" for c in type(m).__mro__):
+            raise RuntimeError(
+                "foak tiled_mlp: the model is wrapped by FSDP, which tiled_mlp does not support yet (its backward "
+                "recomputes the MLP chunk by chunk; not verified against FSDP's parameter gathering); turn "
+                "tiled_mlp off under FSDP (DDP and single-device runs are supported)")
 
 
 # ---- RoPE --------------------------------------------------------------------------------------------
