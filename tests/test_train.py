@@ -295,3 +295,29 @@ def test_long_context_preset(tmp_path, reference_ops):
     yaml_file.write_text("training:\n  fused_ops_and_kernels:\n    fast_rms_layernorm: true\n")
     with pytest.raises(ValueError, match="put them in the YAML instead"):
         train(["--long_context", "--acceleration_config", str(yaml_file), "--output_dir", str(tmp_path)])
+
+
+def test_default_lora_targets_exist_on_every_architecture(tmp_path, reference_ops):
+    """The default LoRA targets are the default names each model has as linear layers (an MoE model's experts
+    are 3-D parameters; MLA has its own projections), never empty, never a name the model lacks; a LoRA run on
+    MoE models with the defaults trains."""
+    from torch import nn
+
+    from foak.models.tiny import TINY_CONFIGS
+    from foak.train import DEFAULT_TARGETS, default_targets
+
+    def names(model):
+        return {n.rsplit(".", 1)[-1] for n, m in model.named_modules() if isinstance(m, nn.Linear)} - {"lm_head"}
+
+    for arch in TINY_CONFIGS:
+        linear = names(tiny_model(arch))
+        targets = default_targets(linear)
+        assert targets and set(targets) <= linear, (arch, targets, linear)
+    assert default_targets(names(tiny_model("mixtral"))) == ["q_proj", "k_proj", "v_proj", "o_proj"]
+    assert default_targets(names(tiny_model("deepseek_v3")))[:4] == ["q_a_proj", "q_b_proj", "kv_a_proj_with_mqa",
+                                                                   "kv_b_proj"]
+    assert default_targets(names(tiny_model("llama"))) == DEFAULT_TARGETS
+    for arch in ("mixtral", "deepseek_v3"):
+        summary = train([*SMALL, "--max_steps", "1", "--arch", arch, "--peft", "lora", "--output_dir",
+                         str(tmp_path / arch), "--save_strategy", "no"])
+        assert summary["steps"] == 1 and f"{arch}.fused_lora" in summary["patch_report"]

@@ -476,14 +476,26 @@ def load_model_and_tokenizer(foak_args, training_args, source=None):
     return model, tokenizer, str(source)
 
 
+# multi-head latent attention's projections (DeepSeek-V3, GLM-4-MoE-Lite), targeted by default where the model has them
+_MLA_TARGETS = ("q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj")
+
+
 def default_targets(linear_names) -> list[str]:
-    """DEFAULT_TARGETS, with a fused projection in place of the ones it fuses where the model has it and not them."""
+    """The DEFAULT_TARGETS the model has as linear layers, with a fused projection in place of the ones it fuses
+    where the model has it and not them, and MLA's projections where it has them; a model with none of them:
+    every linear layer but the LM head. An MoE model's experts are 3-D parameters, not linear layers: only its
+    dense and shared MLPs' projections are targets."""
     targets = list(DEFAULT_TARGETS)
     for fused, parts in _FUSED_TARGETS.items():
         if fused in linear_names and not any(p in linear_names for p in parts):
             at = targets.index(parts[0])
             targets = [*targets[:at], fused, *[t for t in targets[at:] if t not in parts]]
-    return targets
+    at = targets.index("o_proj")
+    targets = [*targets[:at], *[t for t in _MLA_TARGETS if t in linear_names], *targets[at:]]
+    targets = [t for t in targets if t in linear_names]
+    # a model that names its projections otherwise (GPTBigCode's c_attn, c_proj, c_fc): every linear layer but
+    # the LM head, as PEFT's "all-linear"
+    return targets or sorted(set(linear_names) - {"lm_head"})
 
 
 def apply_peft(model, foak_args, gradient_checkpointing: bool = False):
@@ -500,6 +512,10 @@ def apply_peft(model, foak_args, gradient_checkpointing: bool = False):
                     if isinstance(m, (nn.Linear, GPTQLinear))}
     gptq = any(isinstance(m, GPTQLinear) for m in model.modules())
     targets = default_targets(linear_names) if foak_args.target_modules == DEFAULT_TARGETS else foak_args.target_modules
+    if not targets:
+        raise ValueError("the model has no linear layer but its LM head for LoRA adapters; pass --target_modules")
+    if foak_args.target_modules == DEFAULT_TARGETS and targets != DEFAULT_TARGETS:
+        log.info(f"LoRA targets: {', '.join(targets)} (the default targets this model has as linear layers)")
     unknown = sorted(set(targets) - linear_names)
     if unknown:
         raise ValueError(
