@@ -321,3 +321,22 @@ def test_default_lora_targets_exist_on_every_architecture(tmp_path, reference_op
         summary = train([*SMALL, "--max_steps", "1", "--arch", arch, "--peft", "lora", "--output_dir",
                          str(tmp_path / arch), "--save_strategy", "no"])
         assert summary["steps"] == 1 and f"{arch}.fused_lora" in summary["patch_report"]
+
+
+def test_max_seq_length_default_comes_from_the_model():
+    """No --max_seq_length: the model's context length (or the tokenizer's, if shorter), capped at 4096 unless
+    --long_context; stated. A non-positive value is a one-line error."""
+    from foak.train import MAX_SEQ_LENGTH_CAP, default_max_seq_length, parse_arguments
+
+    model = tiny_model("llama")  # max_position_embeddings 128
+    tok = type("Tok", (), {"model_max_length": int(1e30)})()  # transformers' "no limit" value
+    assert default_max_seq_length(model, tok, False) == (128, "the model's context length, 128")
+    tok.model_max_length = 96
+    assert default_max_seq_length(model, tok, False)[0] == 96
+    model.config.max_position_embeddings, tok.model_max_length = 131072, int(1e30)
+    n, how = default_max_seq_length(model, tok, False)
+    assert n == MAX_SEQ_LENGTH_CAP == 4096 and "capped at 4096" in how
+    assert default_max_seq_length(model, tok, True)[0] == 131072  # --long_context: not capped
+    assert parse_arguments([])[0].max_seq_length is None  # decided once the model is loaded
+    with pytest.raises(ValueError, match="--max_seq_length must be a positive number of tokens, got 0"):
+        parse_arguments(["--max_seq_length", "0"])

@@ -91,17 +91,16 @@ class FoakArguments:
         "help": "local directory or hub id (org/name) of an HF causal LM, or a GPTQ 4-bit checkpoint directory "
                 "(with --peft lora); default: the embedded tiny Llama"})
     arch: str | None = field(default=None, metadata={
-        "help": "model_type of the embedded tiny model (default llama; `foak info` lists every architecture foak "
-                "serves); only without --model"})
+        "help": "model_type of the embedded tiny model (default llama; `foak info` lists them)"})
     dataset: str | None = field(default=None, metadata={
         "help": "JSONL file, one {'text': ...} or {'prompt': ..., 'response': ...} per line (a pair trains on "
                 "the response only); default: a generated corpus"})
     text_field: str = field(default="text", metadata={"help": "the JSONL field holding plain text"})
     long_context: bool = field(default=False, metadata={
-        "help": "the long-context preset: gradient checkpointing (non-reentrant) and, on top of foak's default "
-                "kernels, the switches that keep long sequences in memory (LONG_CONTEXT_SWITCHES: the checkpointed "
-                "layers' inputs offloaded to pinned CPU memory, the MLP in sequence chunks); set --max_seq_length"})
-    max_seq_length: int = field(default=128, metadata={"help": "longer sequences are truncated (and counted)"})
+        "help": "preset: gradient checkpointing + offload_activations + tiled_mlp on foak's defaults"})
+    max_seq_length: int | None = field(default=None, metadata={
+        "help": "truncate longer sequences; default: the model's context length, capped at 4096 (not with "
+                "--long_context)"})
     packing: bool = field(default=False, metadata={
         "help": "padding-free packing: each batch one row, position_ids restarting per sequence"})
     peft: str = field(default="none", metadata={
@@ -173,6 +172,8 @@ def parse_arguments(argv: list[str]):
         raise ValueError(f"--peft must be none, lora or qlora-nf4, got {foak_args.peft!r}")
     if foak_args.torch_dtype is not None and foak_args.torch_dtype not in DTYPE_CHOICES:
         raise ValueError(f"--torch_dtype must be one of {', '.join(DTYPE_CHOICES)}, got {foak_args.torch_dtype!r}")
+    if foak_args.max_seq_length is not None and foak_args.max_seq_length <= 0:
+        raise ValueError(f"--max_seq_length must be a positive number of tokens, got {foak_args.max_seq_length}")
     if foak_args.arch is not None:
         if foak_args.model is not None:
             raise ValueError("--arch picks the embedded tiny model's architecture; with --model the model's own "
@@ -420,6 +421,8 @@ def load_model_and_tokenizer(foak_args, training_args, source=None):
         from foak.models.tiny import model_from_config, tiny_config
 
         tokenizer = char_tokenizer()
+        if foak_args.max_seq_length is None:
+            foak_args.max_seq_length = EMBEDDED_MAX_SEQ_LENGTH
         arch = foak_args.arch or "llama"
         config = tiny_config(arch)
         for part in {id(c): c for c in (config, config.get_text_config())}.values():  # multimodal: its text model
@@ -543,6 +546,22 @@ def apply_peft(model, foak_args, gradient_checkpointing: bool = False):
 
 # ---- the acceleration config --------------------------------------------------------------------------------
 LONG_CONTEXT_SWITCHES = ("offload_activations", "tiled_mlp")
+EMBEDDED_MAX_SEQ_LENGTH = 128
+MAX_SEQ_LENGTH_CAP = 4096  # the default's cap: a longer context is a choice (--max_seq_length, --long_context)
+
+
+def default_max_seq_length(model, tokenizer, long_context: bool) -> tuple[int, str]:
+    """(the --max_seq_length a run without one uses, how it was chosen)."""
+    context = getattr(model.config.get_text_config(), "max_position_embeddings", None)
+    tokenizer_max = getattr(tokenizer, "model_max_length", None)
+    limits = [n for n in (context, tokenizer_max) if isinstance(n, int) and 0 < n < 10**8]
+    if not limits:
+        return MAX_SEQ_LENGTH_CAP, f"the model states no context length: {MAX_SEQ_LENGTH_CAP}"
+    n = min(limits)
+    if long_context or n <= MAX_SEQ_LENGTH_CAP:
+        return n, f"the model's context length, {n}"
+    return MAX_SEQ_LENGTH_CAP, (f"the model's context length {n}, capped at {MAX_SEQ_LENGTH_CAP}; pass "
+                                "--max_seq_length for more")
 
 
 def long_context_switches() -> list[str]:
@@ -780,6 +799,9 @@ def train(argv: list[str]) -> dict:
         log.info(f"No GPU: foak's Triton kernels need a CUDA GPU; on this CPU the patched model runs {how}.")
     records = read_jsonl(foak_args.dataset, foak_args.text_field) if foak_args.dataset else generated_corpus()
     model, tokenizer, model_name = load_model_and_tokenizer(foak_args, training_args, source)
+    if foak_args.max_seq_length is None:
+        foak_args.max_seq_length, how = default_max_seq_length(model, tokenizer, foak_args.long_context)
+        log.info(f"max_seq_length {foak_args.max_seq_length}: {how}")
     dataset = tokenize(records, tokenizer, foak_args.max_seq_length, foak_args.text_field)
     log.info(f"model: {model_name}; dataset: {foak_args.dataset or 'generated corpus'} ({len(dataset)} "
              f"sequences, {dataset.n_tokens} tokens"
