@@ -24,6 +24,7 @@ import transformers
 from torch import nn
 
 import foak
+from test_patching import assert_close, loss_and_grads  # the first nine's comparisons
 from foak.patching import moe as moe_patching
 from foak.patching import replacements
 from foak.testing import relative_error
@@ -278,18 +279,6 @@ def batch_of(kind: str) -> dict:
 
 
 # ---- comparisons ----------------------------------------------------------------------------------------
-
-
-def loss_and_grads(model: nn.Module, batch: dict):
-    model.zero_grad(set_to_none=True)
-    out = model(**batch)
-    out.loss.backward()
-    return out, {n: p.grad for n, p in model.named_parameters()}
-
-
-def assert_close(out: torch.Tensor, ref: torch.Tensor, what: str, tol: float = TOL):
-    err = relative_error(out, ref)
-    assert err <= tol, f"{what}: relative error {err:.3g} > {tol} ({out.flatten()[:4]} vs {ref.flatten()[:4]})"
 
 
 def assert_grads_close(grads: dict, ref_grads: dict, what: str, grads64: dict | None = None):

@@ -134,6 +134,13 @@ def _plain_linear(module: nn.Module) -> bool:
             and not nn.modules.module._global_forward_pre_hooks)
 
 
+def _glu_skip_reason(model):
+    act = _hidden_act(model)
+    if act not in GLU_ACTIVATIONS:
+        return f"hidden_act {act!r} has no fused gated kernel (supported: {sorted(GLU_ACTIVATIONS)})"
+    return None
+
+
 # (is_fused_lora_layer, lora_glu_mlp) of foak.patching.peft, which registers them here when it is imported
 # (it imports this module): read per call, without an import or a sys.modules lookup that tracing would see
 PEFT_MLP: list = []
@@ -156,12 +163,6 @@ def glu_mlp_rule(arch: str, mlp_class: type) -> Rule:
     projections are PEFT LoRA layers patched by fused_lora, the MLP runs as fused LoRA blocks
     (foak.patching.peft.lora_glu_mlp: gate and up as one op, down without keeping the product): one rule
     for the MLP, decided per call, with the LoRA layers' own counts in the fused_lora row."""
-
-    def skip_reason(model):
-        act = _hidden_act(model)
-        if act not in GLU_ACTIVATIONS:
-            return f"hidden_act {act!r} has no fused gated kernel (supported: {sorted(GLU_ACTIVATIONS)})"
-        return None
 
     def patch(module, model, state):
         activation = GLU_ACTIVATIONS[_hidden_act(model)]
@@ -188,21 +189,16 @@ def glu_mlp_rule(arch: str, mlp_class: type) -> Rule:
         return forward
 
     has_projections = lambda m, model: all(hasattr(m, p) for p in ("gate_proj", "up_proj", "down_proj"))
-    return Rule(f"{arch}.swiglu", "swiglu", Trigger(mlp_class, predicate=has_projections), patch, skip_reason)
+    return Rule(f"{arch}.swiglu", "swiglu", Trigger(mlp_class, predicate=has_projections), patch, _glu_skip_reason)
 
 
-def fused_glu_mlp_rule(arch: str, mlp_class: type) -> Rule:
-    """The gated MLP with one fused ``gate_up_proj`` (Phi-3, GLM-4): ``down_proj(act(g) * u)`` with
-    ``g, u = gate_up_proj(x).chunk(2, dim=-1)``, act and product fused as in :func:`glu_mlp_rule`, the product
-    not kept when down_proj is a plain nn.Linear (foak.ops.glu_linear). gate_up_proj runs its own forward (a
-    PEFT LoRA layer over it is one fused_lora call); when down_proj is a LoRA layer that fused_lora patched, it
-    runs as foak's fused LoRA GLU block (foak.patching.peft.lora_glu_mlp)."""
-
-    def skip_reason(model):
-        act = _hidden_act(model)
-        if act not in GLU_ACTIVATIONS:
-            return f"hidden_act {act!r} has no fused gated kernel (supported: {sorted(GLU_ACTIVATIONS)})"
-        return None
+def fused_glu_mlp_rule(arch: str, mlp_class: type, gate_up: str = "gate_up_proj", down: str = "down_proj") -> Rule:
+    """The gated MLP with one fused gate/up projection (Phi-3's and GLM-4's ``gate_up_proj``, GraniteMoeShared's
+    ``input_linear`` with ``down="output_linear"``): ``down(act(g) * u)`` with ``g, u = gate_up(x).chunk(2,
+    dim=-1)``, act and product fused as in :func:`glu_mlp_rule`, the product not kept when ``down`` is a plain
+    nn.Linear (foak.ops.glu_linear). ``gate_up`` runs its own forward (a PEFT LoRA layer over it is one fused_lora
+    call); when ``down`` is a LoRA layer that fused_lora patched, it runs as foak's fused LoRA GLU block
+    (foak.patching.peft.lora_glu_mlp)."""
 
     def patch(module, model, state):
         activation = GLU_ACTIVATIONS[_hidden_act(model)]
@@ -210,25 +206,25 @@ def fused_glu_mlp_rule(arch: str, mlp_class: type) -> Rule:
         blocks = row.__dict__.setdefault("block_counts", [0])
 
         def forward(self, x):
-            down = self.down_proj
-            x = cast_for_projections(x, (self.gate_up_proj,))
-            lora_mlp = _lora_glu_mlp(self, ("down_proj",))
-            if lora_mlp is not None:  # down_proj a LoRA layer fused_lora patched: the fused LoRA GLU block
-                out = lora_mlp(self.gate_up_proj, None, down, x, activation)
+            gate_up_proj, down_proj = getattr(self, gate_up), getattr(self, down)
+            x = cast_for_projections(x, (gate_up_proj,))
+            lora_mlp = _lora_glu_mlp(self, (down,))
+            if lora_mlp is not None:  # down a LoRA layer fused_lora patched: the fused LoRA GLU block
+                out = lora_mlp(gate_up_proj, None, down_proj, x, activation)
                 if out is not None:
                     if not torch.compiler.is_compiling():
                         blocks[0] += 1
                         row.note_runtime("lora_blocks", f"{blocks[0]} forwards as fused LoRA MLP blocks")
                     return out
-            g, u = self.gate_up_proj(x).chunk(2, dim=-1)
-            if _plain_linear(down):
-                return glu_linear(g, u, down.weight, down.bias, activation)
-            return down(glu(g, u, activation))
+            g, u = gate_up_proj(x).chunk(2, dim=-1)
+            if _plain_linear(down_proj):
+                return glu_linear(g, u, down_proj.weight, down_proj.bias, activation)
+            return down_proj(glu(g, u, activation))
 
         return forward
 
-    has_projections = lambda m, model: all(hasattr(m, p) for p in ("gate_up_proj", "down_proj"))
-    return Rule(f"{arch}.swiglu", "swiglu", Trigger(mlp_class, predicate=has_projections), patch, skip_reason)
+    has_projections = lambda m, model: hasattr(m, gate_up) and hasattr(m, down)
+    return Rule(f"{arch}.swiglu", "swiglu", Trigger(mlp_class, predicate=has_projections), patch, _glu_skip_reason)
 
 
 def tiled_mlp_chunk_tokens(model: nn.Module) -> int:
