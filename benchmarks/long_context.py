@@ -37,7 +37,7 @@ TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down
 
 
 def one_run(framework: str, length: int, reentrant: bool, smoke: bool, budget_gib: float | None = None,
-            warmup: int = 0) -> dict:
+            warmup: int = 0, qlora: bool = False) -> dict:
     import peft
     import torch
     import transformers
@@ -52,6 +52,10 @@ def one_run(framework: str, length: int, reentrant: bool, smoke: bool, budget_gi
         from liger_kernel.transformers import apply_liger_kernel_to_llama
 
         apply_liger_kernel_to_llama(model=model)
+    if qlora:  # every decoder projection NF4 (double-quantized), as from_pretrained with a BitsAndBytesConfig
+        from foak.bench.step import quantize_nf4
+
+        quantize_nf4(model, device)
     model = peft.get_peft_model(model, peft.LoraConfig(r=16, lora_alpha=16, target_modules=TARGETS))
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": reentrant})
     model.enable_input_require_grads()
@@ -88,6 +92,7 @@ def one_run(framework: str, length: int, reentrant: bool, smoke: bool, budget_gi
         torch.cuda.synchronize()
     seconds = time.perf_counter() - start
     record = {"framework": framework, "length": length, "reentrant": reentrant, "warmup_steps": warmup,
+              "base": "nf4" if qlora else "bf16",
               "loss": float(loss),
               "step_s": seconds, "tokens_per_s": length / seconds}
     if not smoke:
@@ -167,11 +172,15 @@ def main() -> None:
     parser.add_argument("--lengths", nargs="+", type=int, default=[32768, 131072])
     parser.add_argument("--frameworks", nargs="+", default=["none", "liger", "foak"])
     parser.add_argument("--reentrant", action="store_true")
+    parser.add_argument("--qlora", action="store_true", help="NF4 (bitsandbytes) base under the LoRA adapters")
+    parser.add_argument("--json-name", default=None, help="result file name (default long_context_h200.json)")
     parser.add_argument("--cpu-smoke", action="store_true")
     parser.add_argument("--one", nargs=2, metavar=("FRAMEWORK", "LENGTH"))
     parser.add_argument("--check-offload", action="store_true",
                         help="GPU: offloaded == not offloaded, pinned host copies, layer inputs off the GPU")
     parser.add_argument("--timeout", type=float, default=300)
+    parser.add_argument("--stop-on-fail", action="store_true",
+                        help="after a framework fails (OOM, timeout) at one length, skip its longer lengths")
     parser.add_argument("--warmup-steps", type=int, default=0, help="untimed steps before the measured one")
     parser.add_argument("--offload-budget-gib", type=float, default=None,
                         help="foak-offload: host memory for offloaded layer inputs (default: half the available RAM)")
@@ -182,15 +191,17 @@ def main() -> None:
         return
     if args.one:
         print("RESULT " + json.dumps(one_run(args.one[0], int(args.one[1]), args.reentrant, args.cpu_smoke,
-                                                  args.offload_budget_gib, args.warmup_steps)))
+                                                  args.offload_budget_gib, args.warmup_steps, args.qlora)))
         return
     lengths = [64, 256] if args.cpu_smoke else args.lengths
     frameworks = [f for f in args.frameworks if not (args.cpu_smoke and f == "liger")]
-    records = []
+    records, failed = [], set()
     for length in lengths:
         for framework in frameworks:
+            if framework in failed:  # --stop-on-fail: a framework that failed a shorter length is not run again
+                continue
             command = [sys.executable, __file__, "--one", framework, str(length)]
-            command += ["--reentrant"] * args.reentrant + ["--cpu-smoke"] * args.cpu_smoke
+            command += ["--reentrant"] * args.reentrant + ["--cpu-smoke"] * args.cpu_smoke + ["--qlora"] * args.qlora
             command += ["--warmup-steps", str(args.warmup_steps)]
             if args.offload_budget_gib is not None:
                 command += ["--offload-budget-gib", str(args.offload_budget_gib)]
@@ -206,14 +217,18 @@ def main() -> None:
             except subprocess.TimeoutExpired:
                 record = {"framework": framework, "length": length, "error": f"timeout {args.timeout} s"}
             records.append(record)
+            if args.stop_on_fail and "error" in record:
+                failed.add(framework)
             print(json.dumps({k: v for k, v in record.items() if k != "report"}), flush=True)
     os.makedirs(args.out, exist_ok=True)
-    path = os.path.join(args.out, "long_context_smoke.json" if args.cpu_smoke else "long_context_h200.json")
+    name = args.json_name or ("long_context_smoke.json" if args.cpu_smoke else "long_context_h200.json")
+    path = os.path.join(args.out, name)
     with open(path, "w") as f:
         json.dump(records, f, indent=1)
-    print(f"wrote {path}\n| framework | length | peak GiB | step s | tokens/s | note |\n|---|---|---|---|---|---|")
+    print(f"wrote {path}\n| framework | base | length | peak GiB | step s | tokens/s | note |\n|---|---|---|---|---|---|---|")
     for r in records:
-        print(f"| {r['framework']} | {r['length']} | {r.get('peak_gib', float('nan')):.1f} | "
+        base = r.get("base", "nf4" if args.qlora else "bf16")
+        print(f"| {r['framework']} | {base} | {r['length']} | {r.get('peak_gib', float('nan')):.1f} | "
               f"{r.get('step_s', float('nan')):.1f} | {r.get('tokens_per_s', float('nan')):.0f} | "
               f"{r.get('error', '') or offloaded(r)} |")
 
