@@ -106,7 +106,9 @@ def test_offloaded_equals_plain(arch, lora, reentrant, monkeypatch):
     # one saved input per checkpointed layer: its hidden states [rows, width, hidden] in fp32, each on the host
     assert stats["layers"] == stats["offloaded_layers"] == layers and stats["kept_layers"] == 0, stats
     assert stats["offloaded_bytes"] == layers * ROWS * WIDTH * hidden * 4, stats
-    assert len(copies) == layers and all(tuple(t.shape) == (ROWS, WIDTH, hidden) for t in copies)
+    # each input's host copy: its bytes in one piece here (inputs smaller than offload._PIECE_BYTES)
+    assert len(copies) == layers and all(t.dtype == torch.uint8 and t.numel() == ROWS * WIDTH * hidden * 4
+                                         for t in copies)
     row = report.result(f"{model.config.model_type}.offload_activations")
     assert row.modules == 1 and f"{layers} of {layers} checkpointed layers' inputs offloaded" in row.notes
     # the rms_norm_recompute scope is entered outside the per-layer hooks: it acts, it does not step aside
@@ -138,12 +140,49 @@ def test_saved_inputs_leave_the_autograd_graph():
     assert len(seen) == len(stack_of(model).layers)
     for ptr, handle in seen:
         assert isinstance(handle, offload._Offloaded) and handle.kept is None
-        assert handle.host.untyped_storage().data_ptr() != ptr
+        assert all(piece.untyped_storage().data_ptr() != ptr for piece in handle.host)
     loss.backward()
     budget = seen[0][1].budget
     del seen, handle
     assert budget.in_use == 0  # released when autograd dropped the handles after the backward
     foak.restore(model)
+
+
+def test_host_bytes_count_what_the_pinned_allocator_takes():
+    # CUDA's caching host allocator rounds each pinned block up to a power of two: in pieces of 256 MiB and one
+    # tail the input of a 409,600-token Llama-8B layer (3.125 GiB) pins exactly 3.125 GiB, not 4
+    mib = 2**20
+    assert offload._PIECE_BYTES == 256 * mib
+    assert offload.host_bytes(409600 * 4096 * 2, pinned=True) == 409600 * 4096 * 2
+    assert offload.host_bytes(2 * 256 * mib + 100 * mib, pinned=True) == 2 * 256 * mib + 128 * mib
+    assert offload.host_bytes(3 * mib + 1, pinned=True) == 4 * mib
+    assert offload.host_bytes(3 * mib + 1, pinned=False) == 3 * mib + 1
+    assert offload._pieces(2 * 256 * mib + 5) == [(0, 256 * mib), (256 * mib, 512 * mib), (512 * mib, 512 * mib + 5)]
+
+
+def test_inputs_in_many_pieces_come_back_whole(monkeypatch):
+    # pieces far smaller than an input (and a tail): the offloaded run still equals the plain one, each input's
+    # pieces are distinct host tensors covering its bytes exactly once
+    monkeypatch.setattr(offload, "_PIECE_BYTES", 1000)
+    ref = build("llama", lora=True, reentrant=False)
+    model = copy.deepcopy(ref)
+    foak.patch(ref, **KERNELS, fused_lora=True)
+    foak.patch(model, **KERNELS, fused_lora=True, offload_activations=True)
+    copies = []
+    real = offload._host_buffer
+    monkeypatch.setattr(offload, "_host_buffer", lambda t: copies.append(t) or real(t))
+    data = packed_batch(model.config.vocab_size)
+    try:
+        expected, got = step(ref, data), step(model, data)
+    finally:
+        foak.restore(model)
+        foak.restore(ref)
+    assert_same(expected, got)
+    per_layer = ROWS * WIDTH * model.config.hidden_size * 4
+    layers = len(stack_of(model).layers)
+    assert per_layer % 1000 != 0 and len(copies) == layers * -(-per_layer // 1000)
+    assert sum(t.numel() for t in copies) == layers * per_layer
+    assert offload.state_of(stack_of(model))["offloaded_bytes"] == layers * per_layer
 
 
 def test_budget_offloads_the_first_layers_and_keeps_the_rest():

@@ -17,6 +17,11 @@ its recompute, the input of the layer before it is copied back on the side strea
 layer's recompute and backward, so it is on the GPU when its own recompute starts. Without CUDA (CPU-only
 machines, the tests) the same hooks keep a separate CPU copy and nothing is overlapped.
 
+Host pieces: an input goes to the host in pieces of ``_PIECE_BYTES`` (256 MiB) and one smaller tail, each its own
+host tensor. CUDA's caching host allocator rounds every pinned block up to a power of two (an input of 3.125 GiB
+would pin 4 GiB); in pieces the waste is at most the tail's rounding, the budget counts what is really pinned, and
+the blocks are reused by the next steps whatever the sequence length.
+
 Budget: pinned memory is finite. Inputs are offloaded in layer order while the bytes offloaded and not yet
 released stay within the budget (``offload_budget_gib``; default: half the available RAM read when the model
 is patched); the later layers' inputs stay on the GPU (the first layers' inputs wait longest for their
@@ -69,8 +74,24 @@ def _total_ram_bytes() -> int:
 
 
 def _host_buffer(like: torch.Tensor) -> torch.Tensor:
-    """The host tensor an offloaded input is copied into (pinned for a CUDA tensor). Tests replace it."""
+    """The host tensor a piece of an offloaded input is copied into (pinned for a CUDA tensor). Tests replace it."""
     return torch.empty(like.shape, dtype=like.dtype, device="cpu", pin_memory=like.is_cuda)
+
+
+_PIECE_BYTES = 1 << 28  # an offloaded input's host copy is made of pieces of at most this many bytes
+
+
+def _pieces(nbytes: int) -> list[tuple[int, int]]:
+    """Byte ranges [start, stop) of the host pieces of an input of ``nbytes`` bytes."""
+    return [(start, min(start + _PIECE_BYTES, nbytes)) for start in range(0, nbytes, _PIECE_BYTES)]
+
+
+def host_bytes(nbytes: int, pinned: bool) -> int:
+    """Host bytes an input of ``nbytes`` takes in pieces: pinned blocks are rounded up to a power of two by CUDA's
+    caching host allocator (a full piece is one already); plain host memory is taken as asked."""
+    if not pinned:
+        return nbytes
+    return sum(1 << (stop - start - 1).bit_length() for start, stop in _pieces(nbytes))
 
 
 def _gib(n: float) -> str:
@@ -108,14 +129,15 @@ class _Budget:
 class _Offloaded:
     """A saved input living on the host (``host``), or kept where it was (``kept``) when the budget ran out."""
 
-    __slots__ = ("__weakref__", "budget", "device", "event", "fetched", "host", "kept", "layer", "nbytes", "session")
+    __slots__ = ("__weakref__", "budget", "device", "dtype", "event", "fetched", "host", "kept", "layer", "nbytes",
+                 "session", "shape")
 
     def __init__(self, session, layer):
         self.session, self.layer = session, layer
         self.budget = session.budget
         self.host = self.kept = self.event = self.fetched = None
-        self.nbytes = 0
-        self.device = None
+        self.nbytes = 0  # host bytes held (counted in the budget)
+        self.device = self.dtype = self.shape = None
 
     def __del__(self):
         if self.host is not None and self.budget is not None:
@@ -142,36 +164,49 @@ class _Session:
             return t
         handle = _Offloaded(self, layer)
         self.handles[layer].append(weakref.ref(handle))
-        nbytes = t.numel() * t.element_size()
-        if not self.budget.reserve(nbytes):
+        source = t.detach()
+        if not source.is_contiguous():
+            source = source.contiguous()
+        flat = source.reshape(-1).view(torch.uint8)
+        nbytes = flat.numel()
+        held = host_bytes(nbytes, t.is_cuda)
+        if not self.budget.reserve(held):
             handle.kept = t.detach()  # (no reference to the autograd graph from the handle)
             self.kept_layers.add(layer)
             return handle
-        handle.nbytes, handle.device = nbytes, t.device
+        handle.nbytes, handle.device, handle.dtype, handle.shape = held, t.device, t.dtype, t.shape
         try:
-            host = _host_buffer(t)
+            host = [_host_buffer(flat[start:stop]) for start, stop in _pieces(nbytes)]
         except RuntimeError as err:
-            self.budget.release(nbytes)
+            self.budget.release(held)
             raise OffloadError(
-                f"foak offload_activations: could not allocate {nbytes / 2**20:.1f} MiB of "
+                f"foak offload_activations: could not allocate {held / 2**20:.1f} MiB of "
                 f"{'pinned ' if t.is_cuda else ''}host memory for the input of checkpointed layer {layer} "
                 f"({_gib(self.budget.in_use)} offloaded and alive, budget {_gib(self.budget.limit)}): {err}. "
                 "Lower offload_budget_gib, free host memory, or switch offload_activations off") from err
-        source = t.detach()
         if t.is_cuda:
             self.pinned = True
             stream = self.budget.side_stream(t.device)
             stream.wait_stream(torch.cuda.current_stream(t.device))
             with torch.cuda.stream(stream):
-                host.copy_(source, non_blocking=True)
+                for piece, (start, stop) in zip(host, _pieces(nbytes)):
+                    piece.copy_(flat[start:stop], non_blocking=True)
                 handle.event = stream.record_event()
             source.record_stream(stream)  # the GPU block is reused only after the copy
         else:
-            host.copy_(source)
+            for piece, (start, stop) in zip(host, _pieces(nbytes)):
+                piece.copy_(flat[start:stop])
         handle.host = host
-        self.offloaded_bytes += nbytes
+        self.offloaded_bytes += held
         self.offloaded_layers.add(layer)
         return handle
+
+    @staticmethod
+    def _assemble(handle: _Offloaded, out: torch.Tensor, non_blocking: bool) -> torch.Tensor:
+        """Copy the host pieces into the flat byte tensor ``out``; the input's tensor (dtype, shape) over it."""
+        for piece, (start, stop) in zip(handle.host, _pieces(out.numel())):
+            out[start:stop].copy_(piece, non_blocking=non_blocking)
+        return out.view(handle.dtype).view(handle.shape)
 
     def _fetch(self, handle: _Offloaded) -> None:
         """Start copying ``handle``'s input back to its device on the side stream (CUDA only)."""
@@ -180,8 +215,8 @@ class _Session:
         stream = self.budget.side_stream(handle.device)
         with torch.cuda.stream(stream):
             stream.wait_event(handle.event)
-            value = torch.empty(handle.host.shape, dtype=handle.host.dtype, device=handle.device)
-            value.copy_(handle.host, non_blocking=True)
+            nbytes = sum(piece.numel() for piece in handle.host)
+            value = self._assemble(handle, torch.empty(nbytes, dtype=torch.uint8, device=handle.device), True)
             handle.fetched = (value, stream.record_event())
 
     def _prefetch_before(self, layer: int) -> None:
@@ -204,10 +239,9 @@ class _Session:
             current = torch.cuda.current_stream(handle.device)
             current.wait_event(event)
             value.record_stream(current)
-        elif handle.device.type == "cpu":
-            value = handle.host
-        else:  # another accelerator: a plain synchronous copy back
-            value = handle.host.to(handle.device)
+        else:  # the CPU, or another accelerator: a plain synchronous copy back
+            nbytes = sum(piece.numel() for piece in handle.host)
+            value = self._assemble(handle, torch.empty(nbytes, dtype=torch.uint8, device=handle.device), False)
         self._prefetch_before(handle.layer)  # the next layer the backward recomputes
         return value
 
