@@ -245,3 +245,33 @@ def test_training_forward_saves_no_logits(calls):
     assert calls["linear_log_probs"] == 1
     # the inputs (hidden, weight, targets) and per-row statistics (row max and log-sum, entropy): no logits
     assert sorted(saved) == sorted([(N, 64), (301, 64), (N,), (2, N), (N,)])
+
+
+def test_autocast_and_cast_lm_head_to_fp32(calls):
+    # TRL's default bf16 training: bf16 autocast over fp32 weights (the GEMMs in bf16, fp32 gradients)
+    model, _ = _head(bias=True)
+    weight, bias = model.lm_head.weight, model.lm_head.bias
+    hidden, targets = _inputs(weight, bias)
+    transform, outputs = TRANSFORMS[1], REQUESTS["dpo"]
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out, grads = _call(trl_utils._ChunkedLogProbFunction, hidden, weight, bias, targets, transform, outputs)
+        trl_out, trl_grads = _call(ChunkedLogProbFunction, hidden, weight, bias, targets, transform, outputs)
+    fp32_out, fp32_grads = _call(ChunkedLogProbFunction, hidden, weight, bias, targets, transform, outputs)
+    assert calls["linear_log_probs"] == 1 and calls["trl"] == 2
+    assert [g.dtype for g in grads] == [torch.float32] * 3
+    for name, got, trl, want in [*zip(OUTPUTS[:4], out, trl_out, fp32_out),
+                                 *zip(("d_hidden", "d_weight", "d_bias"), grads, trl_grads, fp32_grads)]:
+        foak_error, trl_error = relative_error(got, want), relative_error(trl, want)
+        assert 0 < foak_error <= 2 * trl_error, (name, foak_error, trl_error)
+    # cast_lm_head_to_fp32 over a bf16 head: fp32 hidden states, bf16 weights, autocast off: fp32 GEMMs
+    model16, _ = _head(torch.bfloat16, bias=True)
+    weight, bias = model16.lm_head.weight, model16.lm_head.bias
+    out, grads = _call(trl_utils._ChunkedLogProbFunction, hidden, weight, bias, targets, transform, outputs)
+    ref, ref_grads = _call(ChunkedLogProbFunction, hidden, weight, bias, targets, transform, outputs)
+    assert calls["linear_log_probs"] == 2 and calls["trl"] == 3
+    assert [g.dtype for g in grads] == [torch.float32, torch.bfloat16, torch.bfloat16]
+    for name, got, want in zip(OUTPUTS, out, ref):
+        assert torch.equal(got, want) if name == "is_top1" else relative_error(got, want) < 1e-5, name
+    assert relative_error(grads[0], ref_grads[0]) < 1e-5
+    for got, want in zip(grads[1:], ref_grads[1:]):  # the bf16 weight and bias gradients: fp32 ones, rounded
+        assert relative_error(got, want) < 2e-3
