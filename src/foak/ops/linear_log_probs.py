@@ -109,20 +109,23 @@ def _forward_kernel(
     inv_temperature, HAS_SOFTCAP: tl.constexpr, HAS_ENTROPY: tl.constexpr, HAS_SQ: tl.constexpr,
     HAS_MEAN: tl.constexpr, HAS_TOP1: tl.constexpr, BLOCK: tl.constexpr,
 ):
-    # one program per row. Pass 1: per-lane online logsumexp (the row max m and s = sum exp(z - m) kept
-    # apart), the first maximum's index per lane, the sum of z. Pass 2 (entropy, sum p^2): p from the final m
-    # and log s, so each p is exact rather than rescaled.
+    # One program per row, one pass over its logits (a chunk's logits are larger than L2: a second pass
+    # would read them from memory again). Per lane, relative to the lane's running max m:
+    #   s = sum exp(z - m),  u = sum exp(z - m) (z - m) <= 0,  q = sum exp(2 (z - m)),
+    # rescaled when m grows; then entropy = log S - U / S and log sum p^2 = log Q - 2 log S over the row.
+    # u's terms are all <= 0, so the entropy (log S + |U| / S) has no cancellation.
     LOG2E: tl.constexpr = 1.4426950408889634
     row = tl.program_id(0).to(tl.int64)
     x_row = LOGITS + row * logits_stride
     target = tl.load(TARGET + row).to(tl.int32)
     cols = tl.arange(0, BLOCK)
-    n_chunks = tl.cdiv(n_cols, BLOCK)
     m_lane = tl.zeros([BLOCK], dtype=tl.float32) - float("inf")
     s_lane = tl.zeros([BLOCK], dtype=tl.float32)
+    u_lane = tl.zeros([BLOCK], dtype=tl.float32)
+    q_lane = tl.zeros([BLOCK], dtype=tl.float32)
     i_lane = tl.zeros([BLOCK], dtype=tl.int32)
     sum_lane = tl.zeros([BLOCK], dtype=tl.float32)
-    for i in range(n_chunks):
+    for i in range(tl.cdiv(n_cols, BLOCK)):
         c = i * BLOCK + cols
         mask = c < n_cols
         z, _th = _z(tl.load(x_row + c, mask=mask, other=0.0).to(tl.float32), logit_scale, softcap, inv_temperature,
@@ -131,40 +134,38 @@ def _forward_kernel(
             sum_lane += tl.where(mask, z, 0.0)
         z = tl.where(mask, z, float("-inf"))
         m_new = tl.maximum(m_lane, z)
-        shift = tl.where(m_new > float("-inf"), m_new, 0.0)  # lanes that saw only padding: no -inf - -inf
-        s_lane = s_lane * tl.exp2((m_lane - shift) * LOG2E) + tl.exp2((z - shift) * LOG2E)
+        seen = m_new > float("-inf")  # lanes that saw only padding keep s = u = q = 0 (no -inf - -inf)
+        shift = tl.where(seen, m_new, 0.0)
+        grow = tl.where(seen, m_lane - shift, 0.0)  # <= 0: how far the old max lies below the new one
+        rescale = tl.exp2(grow * LOG2E)
+        d = tl.where(mask & seen, z - shift, 0.0)
+        e = tl.where(mask & seen, tl.exp2(d * LOG2E), 0.0)
+        if HAS_ENTROPY:  # (a lane's first value: grow = -inf, s = 0, rescale = 0)
+            u_lane = rescale * (u_lane + tl.where(s_lane > 0, grow * s_lane, 0.0)) + e * d
+        if HAS_SQ:
+            q_lane = q_lane * rescale * rescale + e * e
+        s_lane = s_lane * rescale + e
         if HAS_TOP1:
             i_lane = tl.where(z > m_lane, c, i_lane)  # strict: each lane keeps its first maximum
         m_lane = m_new
     m = tl.max(m_lane, axis=0)
-    log_s = tl.log(tl.sum(s_lane * tl.exp2((m_lane - m) * LOG2E), axis=0))
+    lane_gap = tl.where(s_lane > 0, m_lane - m, 0.0)
+    r = tl.where(s_lane > 0, tl.exp2(lane_gap * LOG2E), 0.0)
+    s = tl.sum(s_lane * r, axis=0)
+    log_s = tl.log(s)
     z_t, _th_t = _z(tl.load(x_row + target).to(tl.float32), logit_scale, softcap, inv_temperature, HAS_SOFTCAP)
     tl.store(LOGP + row, (z_t - m) - log_s)
     tl.store(STATS + row, m)
     tl.store(STATS + n_rows + row, log_s)
+    if HAS_ENTROPY:
+        tl.store(ENT + row, log_s - tl.sum(r * (u_lane + lane_gap * s_lane), axis=0) / s)
+    if HAS_SQ:
+        tl.store(SQ + row, tl.log(tl.sum(q_lane * r * r, axis=0)) - 2.0 * log_s)
     if HAS_MEAN:
         tl.store(MEAN + row, tl.sum(sum_lane, axis=0) / n_cols)
     if HAS_TOP1:
         first = tl.min(tl.where(m_lane == m, i_lane, 2147483647), axis=0)
         tl.store(TOP1 + row, tl.where(first == target, 1.0, 0.0))
-    if HAS_ENTROPY or HAS_SQ:
-        p_log_p = tl.zeros([BLOCK], dtype=tl.float32)
-        p_sq = tl.zeros([BLOCK], dtype=tl.float32)
-        for i in range(n_chunks):
-            c = i * BLOCK + cols
-            mask = c < n_cols
-            z, _th = _z(tl.load(x_row + c, mask=mask, other=0.0).to(tl.float32), logit_scale, softcap,
-                        inv_temperature, HAS_SOFTCAP)
-            log_p = (z - m) - log_s
-            p = tl.where(mask, tl.exp2(log_p * LOG2E), 0.0)
-            if HAS_ENTROPY:
-                p_log_p += p * log_p
-            if HAS_SQ:
-                p_sq += p * p
-        if HAS_ENTROPY:
-            tl.store(ENT + row, -tl.sum(p_log_p, axis=0))
-        if HAS_SQ:
-            tl.store(SQ + row, tl.log(tl.sum(p_sq, axis=0)))
 
 
 @triton.jit
