@@ -211,3 +211,21 @@ def test_bad_inputs_are_one_line_errors():
         linear_log_probs(hidden, weight, torch.tensor([0, 1, 2, 10]))
     with pytest.raises(ValueError, match=r"expected hidden \[..., H\]"):
         linear_log_probs(hidden, weight[:, :5], target)
+
+
+@pytest.mark.parametrize("case", ["forward", "forward all", "backward", "backward entropy only"])
+def test_custom_ops_pass_opcheck(case):
+    # fake (meta) implementations and schemas agree with the kernels (torch.compile traces through them)
+    hidden, head, bias = torch.randn(7, 13), torch.randn(301, 13), torch.randn(301)
+    target = torch.tensor([3, -100, 0, 300, 17, -100, 5])
+    ops = torch.ops.foak
+    transform = (0.7, 1.3, 5.0, -100)
+    if case.startswith("forward"):
+        wanted = (True, True, True, True) if case == "forward all" else (False, False, False, False)
+        op, args = ops.linear_log_probs_forward, (hidden, head, bias, target, *transform, *wanted, None)
+    else:
+        d_logp = torch.randn(7) if case == "backward" else torch.empty(0)
+        op, args = ops.linear_log_probs_backward, (d_logp, torch.randn(7), hidden, head, None, target,
+                                                   torch.randn(2, 7), torch.rand(7), *transform, True, True,
+                                                   case == "backward", False, 4096)
+    torch.library.opcheck(op, args, test_utils=("test_schema", "test_faketensor", "test_aot_dispatch_static"))
