@@ -261,7 +261,8 @@ def test_stand_in_hands_what_foak_cannot_compute_to_trl_and_reports_it(calls, mo
     weight.ds_id = 7  # how DeepSpeed ZeRO-3 marks a partitioned parameter
     _run(stand_in, hidden, weight, None, targets, 1.0)
     del weight.ds_id
-    # FSDP2: TRL passes lm_head.weight.full_tensor(), a new tensor, for a DTensor weight
+    # FSDP2: TRL passes lm_head.weight.full_tensor(), a new tensor, for a DTensor weight (here without a graph
+    # back to the parameter, as for a frozen head)
     with monkeypatch.context() as m:
         m.setattr("foak.integrations.trl._sharded", lambda w: w is weight)
         _run(stand_in, hidden, weight.detach().clone().requires_grad_(), None, targets, 1.0)
@@ -272,8 +273,8 @@ def test_stand_in_hands_what_foak_cannot_compute_to_trl_and_reports_it(calls, mo
         "TRL's own kernel ran 1 call: outputs ['bogus'] requested (foak computes ['log_probs', 'entropy', "
         "'log_sum_sq_probs', 'mean_logits', 'is_top1'])",
         "TRL's own kernel ran 1 call: lm_head partitioned by DeepSpeed ZeRO-3 (TRL re-gathers it in its backward)",
-        "TRL's own kernel ran 1 call: lm_head sharded as a DTensor (FSDP2): TRL gathers it and scores with its own "
-        "kernel, which foak cannot tell from another model's head"]
+        "TRL's own kernel ran 1 call: lm_head sharded as a DTensor (FSDP2) and gathered without a gradient (a "
+        "frozen head or a no-grad forward): foak cannot tell TRL's gathered copy from another model's head"]
 
 
 def test_stand_in_is_installed_while_a_patched_model_exists_and_restored_after():

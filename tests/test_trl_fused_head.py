@@ -275,3 +275,97 @@ def test_autocast_and_cast_lm_head_to_fp32(calls):
     assert relative_error(grads[0], ref_grads[0]) < 1e-5
     for got, want in zip(grads[1:], ref_grads[1:]):  # the bf16 weight and bias gradients: fp32 ones, rounded
         assert relative_error(got, want) < 2e-3
+
+
+def test_a_trained_fsdp2_heads_gathered_copy_is_recognised_through_autograd(calls, monkeypatch):
+    # FSDP2 keeps lm_head.weight sharded (a DTensor) outside the head's forward; TRL scores with
+    # weight.full_tensor(), a new tensor whose graph leads back to the parameter (a clone stands in for it)
+    model, report = _head()
+    weight = model.lm_head.weight
+    monkeypatch.setattr("foak.integrations.trl._sharded", lambda w: w is weight)
+    hidden, targets = _inputs(weight, None)
+    transform, outputs = TRANSFORMS[1], REQUESTS["grpo_rloo"]
+
+    def gathered_call(function):
+        h = hidden.clone().requires_grad_()
+        weight.grad = None
+        out = function.apply(h, weight.clone(), None, targets, *transform[:1], TRL_CHUNK, None, transform[1],
+                             outputs)
+        (out[0] * torch.linspace(-1, 1, N) + out[1] * torch.linspace(1, 2, N)).sum().backward()
+        return out[0].detach(), out[1].detach(), h.grad, weight.grad.clone()
+
+    got = gathered_call(trl_utils._ChunkedLogProbFunction)
+    assert calls == {"linear_log_probs": 1, "linear_cross_entropy": 0, "trl": 0}
+    want = gathered_call(ChunkedLogProbFunction)
+    for a, b in zip(got, want):
+        assert relative_error(a, b) < 1e-5
+    assert report.result("llama.fused_linear_loss").notes == "served TRL's fused LM head (1 call)"
+
+
+# ---- FSDP2 on two gloo CPU processes ---------------------------------------------------------------------------
+FSDP_CASES = ("head unit", "frozen head unit", "accelerate layout")
+
+
+def _fsdp_step(model, case):
+    """add_fused_lm_head, a forward of the same batch on every rank, a backward through log_probs and
+    entropy; returns (log_probs, entropy, {parameter: full gradient})."""
+    trl_utils.add_fused_lm_head(model, temperature=0.7, outputs=REQUESTS["grpo_rloo"])
+    inputs, labels = _batch(model.config.vocab_size)
+    out = model(**inputs, labels=labels, fused_lm_head=True)
+    g = torch.Generator().manual_seed(2)
+    (out.log_probs * torch.randn(out.log_probs.shape, generator=g)).sum().add(
+        (out.entropy * torch.randn(out.entropy.shape, generator=g)).sum()).backward()
+    grads = {n: (p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad).clone()
+             for n, p in model.named_parameters() if p.grad is not None}
+    return out.log_probs.detach(), out.entropy.detach(), grads
+
+
+def _fsdp_model(case, patched):
+    model = tiny_model("llama", seed=1)
+    if case == "frozen head unit":  # LoRA-style: the head takes no gradient
+        model.lm_head.weight.requires_grad_(False)
+    report = foak.patch(model, fused_linear_loss=True) if patched else None
+    return model, report
+
+
+def _fsdp_rank(rank, world):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import DTensor
+
+    from foak.integrations.accelerate import shard_model
+
+    mesh = init_device_mesh("cpu", (world,))
+    results = {}
+    for case in FSDP_CASES:
+        model, report = _fsdp_model(case, patched=True)
+        if case == "accelerate layout":  # [final norm, lm_head] one unit: the backbone's norm gathers the head
+            shard_model(model, mesh=mesh, reshard_after_forward=True, head_reshard_after_forward=True)
+        else:  # the head a unit of its own: TRL reads a DTensor and scores weight.full_tensor()
+            for layer in model.model.layers:
+                fully_shard(layer, mesh=mesh)
+            fully_shard(model.lm_head, mesh=mesh)
+            fully_shard(model, mesh=mesh)
+            assert isinstance(model.lm_head.weight, DTensor)
+        results[case] = (*_fsdp_step(model, case), report.result("llama.fused_linear_loss").notes)
+    return results
+
+
+def test_fsdp2_sharded_heads(tmp_path):
+    from distributed_utils import run_ranks
+
+    ranks = run_ranks(_fsdp_rank, 2, tmp_path, timeout_s=240)
+    for case in FSDP_CASES:
+        want = _fsdp_step(_fsdp_model(case, patched=False)[0], case)
+        for rank in ranks:
+            *got, notes = rank[case]
+            assert relative_error(got[0], want[0]) < 1e-5 and relative_error(got[1], want[1]) < 1e-5, case
+            assert got[2].keys() == want[2].keys() and ("lm_head.weight" in want[2]) == (case != "frozen head unit")
+            for name, grad in want[2].items():
+                assert relative_error(got[2][name], grad) < 1e-5, (case, name)
+            if case == "frozen head unit":  # nothing links TRL's gathered copy to this model's head
+                assert notes == ("TRL's own kernel ran 1 call: lm_head sharded as a DTensor (FSDP2) and gathered "
+                                 "without a gradient (a frozen head or a no-grad forward): foak cannot tell TRL's "
+                                 "gathered copy from another model's head"), notes
+            else:
+                assert notes == "served TRL's fused LM head (1 call)", (case, notes)

@@ -22,8 +22,9 @@ Under ``torch.no_grad()`` (reference models, PEFT policies with the adapter disa
 for a backward. Each served call is counted in the rule's report row ("served TRL's fused LM head (N
 calls)"). foak hands the call to TRL's own function, counting it in that row with the reason (and warning
 once), for an output name foak does not know, a zero or non-finite temperature or logit scale, an lm_head
-partitioned by DeepSpeed ZeRO-3, or one sharded by FSDP2 (TRL passes a gathered copy foak cannot tell from
-another model's head). A model foak did not patch always gets TRL's function. The global is installed once
+partitioned by DeepSpeed ZeRO-3, or one sharded by FSDP2 and gathered without a gradient (a frozen head, a
+no-grad forward: TRL passes a gathered copy foak cannot tell from another model's head; a trained FSDP2 head's
+copy is recognised through its autograd graph and served). A model foak did not patch always gets TRL's function. The global is installed once
 per process (when TRL is imported after foak.patch, by an import hook as trl.trainer.utils loads),
 ref-counted, and restored when the last patched model is restored or garbage-collected.
 """
@@ -159,11 +160,33 @@ def _served_head(weight) -> _Head | None:
     for head, module in heads:
         if module is not None and module.weight is weight:
             return head
-    for head, module in heads:  # FSDP2: TRL passes the gathered weight.full_tensor(), not the parameter
-        if module is not None and _sharded(module.weight) and tuple(module.weight.shape) == tuple(weight.shape):
-            head.count_fallback("lm_head sharded as a DTensor (FSDP2): TRL gathers it and scores with its own "
-                               "kernel, which foak cannot tell from another model's head")
+    # FSDP2: TRL passes the gathered weight.full_tensor(), a new tensor. When the head is trained, autograd
+    # links that tensor to the sharded parameter; without a gradient nothing does.
+    sharded = [(head, module) for head, module in heads if module is not None and _sharded(module.weight)
+               and tuple(module.weight.shape) == tuple(weight.shape)]
+    for head, module in sharded:
+        if _gathered_from(weight, module.weight):
+            return head
+    for head, _ in sharded:
+        head.count_fallback("lm_head sharded as a DTensor (FSDP2) and gathered without a gradient (a frozen "
+                            "head or a no-grad forward): foak cannot tell TRL's gathered copy from another "
+                            "model's head")
     return None
+
+
+def _gathered_from(weight, parameter, depth: int = 8) -> bool:
+    """Whether ``weight``'s autograd graph reaches ``parameter`` within ``depth`` steps (DTensor.full_tensor:
+    to_local <- redistribute <- the parameter's AccumulateGrad)."""
+    stack, seen = [(weight.grad_fn, 0)], set()
+    while stack:
+        node, level = stack.pop()
+        if node is None or level > depth or id(node) in seen:
+            continue
+        seen.add(id(node))
+        if getattr(node, "variable", None) is parameter:
+            return True
+        stack.extend((child, level + 1) for child, _ in node.next_functions)
+    return False
 
 
 def _sharded(weight) -> bool:
