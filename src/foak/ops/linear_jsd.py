@@ -463,7 +463,8 @@ def linear_jsd(
         t is not None and t.requires_grad for t in (student_hidden, student_weight, student_bias))
     with torch.autocast(device_type, enabled=False):
         if needs_grad:
-            loss, ent = _LinearJSDFunction.apply(hs, student_weight, student_bias, ht, wt, bt, rows, scale, params, chunk_bytes)
+            loss, ent = _LinearJSDFunction.apply(hs, student_weight, student_bias, ht, wt, bt, rows, scale, params,
+                                                 chunk_bytes)
         else:
             w_s, b_s = _operands(hs, student_weight, student_bias)
             w_t, b_t = _operands(ht, wt, bt)
