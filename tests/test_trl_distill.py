@@ -8,6 +8,7 @@ import importlib
 import sys
 
 import datasets  # pinned in requirements-test.txt with trl: a missing install fails, never skips
+import peft
 import pytest
 import torch
 import trl
@@ -58,8 +59,9 @@ def _models(tokenizer):
     return student, teacher
 
 
-def _distill(tmp_path, patch, beta, kernels=None):
-    """Two SGD steps of DistillationTrainer; returns (TRL's log history, foak's report or None)."""
+def _distill(tmp_path, patch, beta, kernels=None, checkpointing=False, lora=False):
+    """Two SGD steps of DistillationTrainer; returns (TRL's log history, foak's report or None). ``lora``: TRL
+    wraps the (patched) student with a LoRA peft_config."""
     tokenizer = char_tokenizer()
     tokenizer.padding_side = "left"
     student, teacher = _models(tokenizer)
@@ -67,22 +69,27 @@ def _distill(tmp_path, patch, beta, kernels=None):
     config = trl.DistillationConfig(
         output_dir=str(tmp_path), max_steps=2, per_device_train_batch_size=2, learning_rate=0.5, optim="sgd",
         lr_scheduler_type="constant", report_to="none", save_strategy="no", seed=3, logging_steps=1,
-        bf16=False, gradient_checkpointing=False, max_completion_length=6, beta=beta, temperature=0.9,
+        bf16=False, gradient_checkpointing=checkpointing, max_completion_length=6, beta=beta, temperature=0.9,
         generation_kwargs={"do_sample": False})  # greedy: both runs score the same completions
+    lora_config = peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], lora_dropout=0.0,
+                                  init_lora_weights=False) if lora else None
+    torch.manual_seed(5)
     trainer = trl.DistillationTrainer(model=student, teacher_model=teacher, args=config,
                                       train_dataset=datasets.Dataset.from_dict({"prompt": PROMPTS}),
-                                      processing_class=tokenizer)
+                                      processing_class=tokenizer, peft_config=lora_config)
     trainer.train()
     return [row for row in trainer.state.log_history if "loss" in row], report
 
 
-@pytest.mark.parametrize("beta", [0.0, 0.5, 1.0])
-def test_distillation_trainer_runs_foaks_loss_and_logs_what_trl_logs(tmp_path, calls, beta):
+# beta 0.5 with TRL's default gradient checkpointing; a LoRA student (peft_config given to the trainer)
+@pytest.mark.parametrize("beta, checkpointing, lora", [(0.0, False, False), (0.5, True, False), (1.0, False, False),
+                                                       (0.5, False, True)], ids=["fkl", "jsd-ckpt", "rkl", "jsd-lora"])
+def test_distillation_trainer_runs_foaks_loss_and_logs_what_trl_logs(tmp_path, calls, beta, checkpointing, lora):
     foak.set_backend("reference")
     try:
-        ref, _ = _distill(tmp_path / "ref", False, beta)
+        ref, _ = _distill(tmp_path / "ref", False, beta, checkpointing=checkpointing, lora=lora)
         assert calls == {"foak": 0, "trl": 2}  # the counters see TRL's calls
-        logs, report = _distill(tmp_path / "foak", True, beta)
+        logs, report = _distill(tmp_path / "foak", True, beta, checkpointing=checkpointing, lora=lora)
     finally:
         foak.set_backend(None)
     assert calls == {"foak": 2, "trl": 2}  # foak served both steps, TRL's kernel ran no more
