@@ -6,19 +6,22 @@ then TRL's chunked distillation loss ``_chunked_divergence_loss``, which foak se
 student is foak-patched), ``backward``, fused AdamW. Generation is left out: every step scores the same kind of
 fixed random prompt + completion batch (the last 1/8 of every other completion masked, as after an early EOS).
 
-First a check: each variant computes the loss, TRL's logged entropy and the student's grad norm of one step on
-the same weights and batch (own process); foak's must agree with TRL alone (bf16: loss and entropy within 1e-2
-relative, grad norm within 2e-2) and must have served the loss (its report row says so). Then each variant is
-timed in its own process: tokens/s (prompt + completion tokens through the student per second) and peak memory
-(torch's max allocated over the timed steps, weights and optimizer state included). A short table comes last; the
-JSON goes to ``--out`` (default $OUT, else benchmarks/results).
+First the loss alone (own process): foak's linear_jsd against TRL's ChunkedDivergenceFunction on the same head
+shapes and scored tokens, for beta 0, 0.5 and 1 (temperature 0.9, student softcap 30): loss, entropy and
+gradients must agree (relative errors: loss/entropy 1e-3, gradients 2e-2 in bf16), and each one's fwd+bwd time
+and peak extra memory are recorded. Then a check: each variant computes the loss, TRL's logged entropy and the
+student's grad norm of one step on the same weights and batch (own process); foak's must agree with TRL alone
+(bf16: loss and entropy within 1e-2 relative, grad norm within 2e-2) and must have served the loss (its report
+row says so). Then each variant is timed in its own process: tokens/s (prompt + completion tokens through the
+student per second; batch 4 x (256 prompt + 1792 completion) tokens) and peak memory (torch's max allocated over
+the timed steps, weights and optimizer state included). A short table comes last; the JSON goes to ``--out``
+(default $OUT, else benchmarks/results). The timed phase runs only when every check passed (exit status 1 else).
 
-    python3 benchmarks/distill.py                                   # the H200 run (both phases, ~5 min)
+    python3 benchmarks/distill.py                                   # the H200 run (all phases, a few minutes)
     python3 benchmarks/distill.py --setting tiny --device cpu --out /tmp/x    # CPU smoke test
     options: --variants trl foak [foak-teacher]   (foak-teacher: the teacher foak-patched too)
              --beta 0.5 --temperature 1.0 --checkpointing (TRL's default; off here: see below) --steps 8 --warmup 2
-             --batch 4 --prompt 256 --completion 1792
-    (--one VARIANT [--check]: one variant in this process, what the driver runs)
+    (--one VARIANT|op [--check]: one variant, or the loss alone, in this process: what the driver runs)
 
 Gradient checkpointing is off by default (DistillationConfig turns it on): it reruns the student's backbone in the
 backward for both variants alike; --checkpointing measures that setting.
@@ -145,6 +148,71 @@ def run_one(variant: str, args) -> dict:
     return result
 
 
+OP_TOL = {"loss": 1e-3, "entropy": 1e-3, "student_hidden": 2e-2, "student_weight": 2e-2}
+
+
+def run_op(args) -> dict:
+    """The loss alone: foak's linear_jsd vs TRL's ChunkedDivergenceFunction (what _chunked_divergence_loss runs)
+    on the setting's student/teacher head shapes and scored tokens, bf16 on CUDA: per beta, loss, entropy and
+    gradients against TRL's, and fwd+bwd time and peak extra memory of each."""
+    from trl.kernels.chunked_divergence import ChunkedDivergenceFunction
+
+    from foak.bench.measure import environment, event_median_ms, peak_extra_mib
+    from foak.bench.models import BUILTIN_MODELS
+    from foak.ops.linear_jsd import linear_jsd
+    from foak.testing import relative_error
+
+    device = torch.device(args.device)
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    student_name, teacher_name, batch, _, completion = SETTINGS[args.setting]
+    dims_s = BUILTIN_MODELS[student_name].dims
+    dims_t = {**BUILTIN_MODELS[teacher_name].dims, **(TINY_TEACHER if args.setting == "tiny" else {})}
+    n, vocab = batch * completion, dims_s["vocab_size"]
+    gen = torch.Generator(device=device).manual_seed(0)
+
+    def randn(*shape, scale=1.0):
+        return (torch.randn(*shape, generator=gen, device=device) * scale).to(dtype)
+
+    hs, ht = randn(n, dims_s["hidden_size"]), randn(n, dims_t["hidden_size"])
+    ws = randn(vocab, dims_s["hidden_size"], scale=2 / dims_s["hidden_size"] ** 0.5).requires_grad_()
+    wt = randn(vocab, dims_t["hidden_size"], scale=2 / dims_t["hidden_size"] ** 0.5)
+    temperature, softcap = 0.9, 30.0
+    runs = []
+    for beta in (0.0, 0.5, 1.0):
+        def trl_step():
+            h = hs.detach().requires_grad_()
+            div, ent = ChunkedDivergenceFunction.apply(h, ws, None, ht, wt, None, beta, temperature, 1.0, softcap,
+                                                       1.0, None)
+            loss = div.sum() / n
+            grads = torch.autograd.grad(loss, [h, ws])
+            return loss.detach(), ent.mean(), grads
+
+        def foak_step():
+            h = hs.detach().requires_grad_()
+            loss, ent = linear_jsd(h, ws, ht, wt, beta=beta, temperature=temperature, student_softcap=softcap,
+                                   return_entropy=True)
+            grads = torch.autograd.grad(loss, [h, ws])
+            return loss.detach(), ent, grads
+
+        row = {"beta": beta}
+        outputs = {}
+        for name, step in (("trl", trl_step), ("foak", foak_step)):
+            if device.type == "cuda":
+                row[f"{name}_peak_extra_mib"], outputs[name] = peak_extra_mib(step, device)
+                row[f"{name}_ms"] = event_median_ms(step, reps=5, warmup=2)
+            else:
+                outputs[name] = step()
+        (loss, ent, (dh, dw)), (ref_loss, ref_ent, (ref_dh, ref_dw)) = outputs["foak"], outputs["trl"]
+        row.update(loss=(loss.item(), ref_loss.item()), entropy=(ent.item(), ref_ent.item()),
+                   errors={"loss": relative_error(loss, ref_loss), "entropy": relative_error(ent, ref_ent),
+                           "student_hidden": relative_error(dh, ref_dh), "student_weight": relative_error(dw, ref_dw)})
+        row["ok"] = all(row["errors"][k] <= tol for k, tol in OP_TOL.items())
+        runs.append(row)
+        del outputs
+    return {"variant": "op", "tokens": n, "vocab": vocab, "temperature": temperature, "student_softcap": softcap,
+            "runs": runs, "environment": environment()}
+
+
 def _child(variant: str, args, check: bool) -> dict:
     flags = ["--one", variant, "--setting", args.setting, "--device", args.device, "--beta", str(args.beta),
              "--temperature", str(args.temperature), "--steps", str(args.steps), "--warmup", str(args.warmup)]
@@ -168,17 +236,24 @@ def main() -> int:
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--out", default=os.environ.get("OUT") or str(Path(__file__).parent / "results"))
-    parser.add_argument("--one", choices=VARIANTS)
+    parser.add_argument("--one", choices=[*VARIANTS, "op"])
     parser.add_argument("--check", action="store_true")
     args = parser.parse_args()
     if args.one:
-        print("RESULT " + json.dumps(run_one(args.one, args)), flush=True)
+        result = run_op(args) if args.one == "op" else run_one(args.one, args)
+        print("RESULT " + json.dumps(result), flush=True)
         return 0
 
     from foak.bench.measure import CheckLog
 
     variants = ["trl", *[v for v in args.variants if v != "trl"]]
     checks, rows = CheckLog(), {}
+    op = _child("op", args, check=False)
+    for run in op.get("runs", []):
+        checks.check(f"op beta={run['beta']:g}: linear_jsd vs TRL's ChunkedDivergenceFunction (relative errors)",
+                      run["ok"], **run["errors"])
+    if "error" in op:
+        checks.check("op: ran", False, error=op["error"])
     ref = _child("trl", args, check=True)
     checks.check("trl: check step ran", "error" not in ref, error=ref.get("error"))
     for variant in variants[1:]:
@@ -199,13 +274,18 @@ def main() -> int:
             rows[variant] = _child(variant, args, check=False)
             checks.check(f"{variant}: timed", "error" not in rows[variant], error=rows[variant].get("error"))
     result = {"setting": args.setting, "student": SETTINGS[args.setting][0], "teacher": SETTINGS[args.setting][1],
-              "batch": SETTINGS[args.setting][2:], "checks": checks, "runs": rows}
+              "batch": SETTINGS[args.setting][2:], "checks": checks, "op": op, "runs": rows}
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     name = f"distill_{args.setting}_beta{args.beta:g}{'_checkpointing' if args.checkpointing else ''}.json"
     (out / name).write_text(json.dumps(result, indent=1))
     base = rows.get("trl", {}).get("tokens_per_s")
     print(f"\n{checks.summary()}; {out / name}")
+    for run in op.get("runs", []):
+        if "trl_ms" in run:
+            print(f"loss alone, beta {run['beta']:g}: TRL {run['trl_ms']:.1f} ms, {run['trl_peak_extra_mib']:.0f} MiB; "
+                  f"foak {run['foak_ms']:.1f} ms, {run['foak_peak_extra_mib']:.0f} MiB "
+                  f"({run['trl_ms'] / run['foak_ms']:.2f}x)")
     print(f"{'variant':14} {'tokens/s':>10} {'vs trl':>7} {'step ms':>9} {'peak GiB':>9}")
     for variant, row in rows.items():
         if "error" in row:
