@@ -21,10 +21,12 @@ BETAS = [0.0, 0.5, 1.0]
 TOL = {torch.float32: dict(loss=2e-6, grad=2e-5), torch.bfloat16: dict(loss=2e-4, grad=2e-2),
        torch.float16: dict(loss=2e-4, grad=5e-3)}
 # every knob on: temperature, a softcap that bites (logits ~ N(0, 4)), another scale for the teacher, biases,
-# masked tokens and several chunks (5 rows each, so a chunk boundary falls inside the valid rows)
-FULL = dict(temperature=0.7, student_softcap=4.0, teacher_logit_scale=1.5, bias=True, masked=True, chunk_rows=5)
+# masked tokens, several chunks (5 rows each, so a chunk boundary falls inside the valid rows) and several
+# vocabulary blocks per row in the kernel (128 + 128 + a tail of 45: the online log-sum-exp's rescaling)
+FULL = dict(temperature=0.7, student_softcap=4.0, teacher_logit_scale=1.5, bias=True, masked=True, chunk_rows=5,
+            block=128)
 PLAIN = dict(temperature=1.0, student_softcap=None, teacher_logit_scale=1.0, bias=False, masked=False,
-             chunk_rows=None)
+             chunk_rows=None, block=4096)
 
 
 def make_inputs(n, hs, ht, vocab, dtype, bias, masked, seed=0):
@@ -109,7 +111,7 @@ def check(inputs, mask, beta, dtype, upstream=None, **options):
 
 
 def _options(variant):
-    return {k: v for k, v in variant.items() if k not in ("bias", "masked", "chunk_rows")}
+    return {k: v for k, v in variant.items() if k not in ("bias", "masked", "chunk_rows", "block")}
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -117,6 +119,7 @@ def _options(variant):
 @pytest.mark.parametrize("variant", [FULL, PLAIN], ids=["full", "plain"])
 def test_kernel_matches_fp64_on_full_logits(monkeypatch, dtype, beta, variant):
     monkeypatch.setitem(jsd_module.TUNING, "chunk_rows", variant["chunk_rows"])
+    monkeypatch.setitem(jsd_module.TUNING, "block", variant["block"])
     inputs, mask = make_inputs(*SHAPE, dtype, variant["bias"], variant["masked"])
     loss, _ = check(inputs, mask, beta, dtype, **_options(variant))
     assert loss > 0.05  # the two heads disagree: the test can tell a wrong divergence from a right one
