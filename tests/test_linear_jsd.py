@@ -95,7 +95,8 @@ def run_foak(inputs, mask, upstream=None, **options):
 
 
 def check(inputs, mask, beta, dtype, upstream=None, **options):
-    ref_loss, ref_ent, _, ref_leaves = fp64_reference(inputs, mask, beta, **options)
+    ref_loss, ref_ent, _, ref_leaves = fp64_reference(
+        inputs, mask, beta, **{k: v for k, v in options.items() if k != "accum_dtype"})
     ref_grads = torch.autograd.grad(ref_loss, list(ref_leaves.values()),
                                     torch.ones((), dtype=torch.float64) if upstream is None else upstream.double())
     loss, ent, grads = run_foak(inputs, mask, upstream, beta=beta, **options)
@@ -145,6 +146,13 @@ def test_sum_and_per_token_reductions(monkeypatch, reduction):
                     teacher_softcap=3.0, student_logit_scale=0.8)
     if reduction == "none":
         assert (loss[mask == 0] == 0).all() and (loss[mask != 0] > 0).all()
+
+
+@pytest.mark.parametrize("accum_dtype", [torch.float32, None], ids=["fp32", "weight-dtype"])
+def test_bf16_weight_gradient_accumulated_across_chunks(monkeypatch, accum_dtype):
+    monkeypatch.setitem(jsd_module.TUNING, "chunk_rows", 3)  # 7 valid tokens: three chunks
+    inputs, mask = make_inputs(*SHAPE, torch.bfloat16, True, True, seed=7)
+    check(inputs, mask, 0.5, torch.bfloat16, accum_dtype=accum_dtype)
 
 
 def test_num_items_in_batch_and_leading_dims():
@@ -210,6 +218,7 @@ def test_bad_inputs_are_one_line_errors():
         (dict(teacher_hidden=args["teacher_hidden"][:-1]), "must have the same leading shape"),
         (dict(student_weight=args["student_weight"].double()), "student_weight has dtype torch.float64"),
         (dict(student_hidden=args["student_hidden"].bfloat16()), "tensors must share one dtype"),
+        (dict(accum_dtype=torch.bfloat16), "accum_dtype must be torch.float32 or None"),
     ]
     for override, message in cases:
         with pytest.raises(ValueError, match="linear_jsd: ") as info:

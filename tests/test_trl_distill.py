@@ -182,3 +182,40 @@ def test_trl_distillation_imported_after_patching_is_served(monkeypatch):
     assert not any(isinstance(f, foak_distill._ImportHook) for f in sys.meta_path)
     foak.restore(model)
     assert not isinstance(imported._chunked_divergence_loss, foak_distill._FoakDivergenceLoss)
+
+
+def test_stand_in_bf16_error_is_within_twice_trls_own(calls):
+    """bf16 student and teacher: foak's error against fp64 on the same bf16 values is at most twice TRL's own
+    (loss, entropy, gradients of the hidden states and of the lm_head weight)."""
+    from test_linear_jsd import fp64_reference
+
+    from foak.testing import relative_error
+
+    student, teacher = (m.to(torch.bfloat16) for m in _models(char_tokenizer()))
+    foak.patch(student, fused_linear_loss=True)
+    gen = torch.Generator().manual_seed(3)
+    n = 24
+    hs = torch.randn(2, n, student.config.hidden_size, generator=gen).bfloat16()
+    ht = torch.randn(2, n, teacher.config.hidden_size, generator=gen).bfloat16()
+    mask = (torch.rand(2, n, generator=gen) > 0.2).long()
+    options = dict(beta=0.5, temperature=1.2, student_final_logit_softcapping=20.0)
+    ref_inputs = {"student_hidden": hs.reshape(-1, hs.shape[-1]), "student_weight": student.lm_head.weight.detach(),
+                  "student_bias": None, "teacher_hidden": ht.reshape(-1, ht.shape[-1]),
+                  "teacher_weight": teacher.lm_head.weight.detach(), "teacher_bias": None}
+    ref_loss, ref_entropy, _, leaves = fp64_reference(ref_inputs, mask.reshape(-1), 0.5, temperature=1.2,
+                                                      student_softcap=20.0)
+    ref = [ref_loss, ref_entropy * mask.sum(), *torch.autograd.grad(ref_loss, [leaves["student_hidden"],
+                                                                               leaves["student_weight"]])]
+    errors = {}
+    for name, loss_fn in (("foak", trl_distill._chunked_divergence_loss), ("trl", TRL_LOSS)):
+        hidden = hs.clone().requires_grad_()
+        loss, entropy_sum, _ = loss_fn(hidden, ht, student.lm_head.weight, teacher.lm_head.weight, mask, **options)
+        loss.backward()
+        got = [loss, entropy_sum, hidden.grad.reshape(-1, hidden.shape[-1]), student.lm_head.weight.grad]
+        errors[name] = [relative_error(g, r) for g, r in zip(got, ref)]
+        student.zero_grad(set_to_none=True)
+    assert calls == {"foak": 1, "trl": 1}
+    for what, foak_error, trl_error in zip(("loss", "entropy", "d_hidden", "d_weight"), errors["foak"],
+                                           errors["trl"]):
+        assert foak_error <= max(2 * trl_error, 1e-6), (what, foak_error, trl_error)
+    assert max(errors["trl"][2:]) > 1e-4  # bf16 gradients: TRL's error is bf16-sized, the bound means something

@@ -27,7 +27,8 @@ computed in the backward, recomputing both heads' logits).
 
 Precision: the logits are fp32 (the GEMM accumulates in fp32 and writes fp32 on CUDA; on CPU the operands are
 upcast). Under torch autocast the GEMMs run in the autocast dtype, as ``nn.Linear`` would, and an fp32 master
-weight gets an fp32 gradient; without autocast each hidden state must have its weight's dtype.
+weight gets an fp32 gradient; without autocast each hidden state must have its weight's dtype. The student
+weight's gradient accumulates across chunks in fp32 unless ``accum_dtype=None``.
 """
 
 from __future__ import annotations
@@ -306,11 +307,11 @@ class _LinearJSDFunction(torch.autograd.Function):
     (None for "none")."""
 
     @staticmethod
-    def forward(ctx, hs, ws, bs, ht, wt, bt, rows, scale, params, chunk_bytes):
+    def forward(ctx, hs, ws, bs, ht, wt, bt, rows, scale, params, chunk_bytes, dw_fp32):
         want = tuple(ctx.needs_input_grad[:3])
         ctx.want, ctx.params, ctx.chunk_bytes, ctx.used = want, params, chunk_bytes, False
         ctx.weight_dtype, ctx.bias_dtype = ws.dtype, (bs.dtype if bs is not None else None)
-        ctx.dw_dtype = torch.float32 if ws.dtype == torch.float32 else hs.dtype
+        ctx.dw_dtype = torch.float32 if (dw_fp32 or ws.dtype == torch.float32) else hs.dtype
         ctx.grad_in_forward = scale is not None and not gradient_in_backward(hs.dtype)
         w_s, b_s = _operands(hs, ws, bs)
         w_t, b_t = _operands(ht, wt, bt)
@@ -330,7 +331,7 @@ class _LinearJSDFunction(torch.autograd.Function):
                                "the forward; use reduction='none' for retain_graph")
         ctx.used = True
         if dloss is None:
-            return (None,) * 10
+            return (None,) * 11
         if ctx.grad_in_forward:
             grads = tuple(None if g is None else scale_unless_one_(g, dloss.float()) for g in ctx.grads)
             ctx.grads = None
@@ -346,7 +347,7 @@ class _LinearJSDFunction(torch.autograd.Function):
             dw = dw.to(ctx.weight_dtype)
         if db is not None:
             db = db.to(ctx.bias_dtype)
-        return dh, dw, db, None, None, None, None, None, None, None
+        return dh, dw, db, None, None, None, None, None, None, None, None
 
 
 # 5. public function -------------------------------------------------------------------------------
@@ -403,6 +404,7 @@ def linear_jsd(
     reduction: str = "mean",
     num_items_in_batch=None,
     return_entropy: bool = False,
+    accum_dtype: torch.dtype | None = torch.float32,
     chunk_bytes: int | None = None,
 ):
     """Divergence between the student's and the teacher's next-token distributions (see the module
@@ -412,7 +414,10 @@ def linear_jsd(
     ``mask`` (hidden's leading shape; nonzero = scored, e.g. ``labels != -100``) selects the tokens. Returns the
     loss (a scalar; with reduction="none" one value per token, 0 where masked), or ``(loss, student_entropy)``
     with ``return_entropy``. The gradient reaches student_hidden, student_weight and student_bias only.
-    ``chunk_bytes`` bounds one chunk's tiles (default ``TUNING["chunk_bytes"]``, 1 GiB).
+    ``accum_dtype``: the student weight's gradient accumulates across chunks in fp32 (default; cast to the
+    weight's dtype once at the end, as TRL's kernel does) or, with None, in the weight's dtype (each chunk's
+    GEMM still accumulates in fp32), which saves an fp32 [V, H] buffer. ``chunk_bytes`` bounds one chunk's
+    tiles (default ``TUNING["chunk_bytes"]``, 1 GiB).
     """
     op = "linear_jsd"
     device_type = student_hidden.device.type
@@ -435,6 +440,8 @@ def linear_jsd(
                                            "teacher_logit_scale": teacher_logit_scale},
                    {"student_softcap": student_softcap, "teacher_softcap": teacher_softcap}, reduction,
                    num_items_in_batch, chunk_bytes)
+    if accum_dtype not in (None, torch.float32):
+        raise ValueError(f"{op}: accum_dtype must be torch.float32 or None (the weight's dtype), got {accum_dtype!r}")
     if autocast:  # the GEMMs in the autocast dtype, as nn.Linear under autocast
         dtype = torch.get_autocast_dtype(device_type)
         student_hidden, teacher_hidden = student_hidden.to(dtype), teacher_hidden.to(dtype)
@@ -464,7 +471,7 @@ def linear_jsd(
     with torch.autocast(device_type, enabled=False):
         if needs_grad:
             loss, ent = _LinearJSDFunction.apply(hs, student_weight, student_bias, ht, wt, bt, rows, scale, params,
-                                                 chunk_bytes)
+                                                 chunk_bytes, accum_dtype is torch.float32)
         else:
             w_s, b_s = _operands(hs, student_weight, student_bias)
             w_t, b_t = _operands(ht, wt, bt)
