@@ -5,6 +5,7 @@ compares TRL's logged loss, grad_norm and entropy with TRL on the unpatched stud
 
 import gc
 import importlib
+import inspect
 import sys
 
 import datasets  # pinned in requirements-test.txt with trl: a missing install fails, never skips
@@ -144,10 +145,25 @@ def test_stand_in_computes_what_trl_computes_and_hands_the_rest_to_trl(calls):
     assert calls == {"foak": 1, "trl": 2}
     assert ("TRL's own distillation loss ran 1 call: student: torch.float64 hidden states and a torch.float32 "
             "lm_head outside autocast") in report.result(ROW).notes
+    # a newer TRL: an argument foak does not know, or callers passing what the loss does not take
+    def newer_trl_loss(*a, new_option=None, **k):
+        return TRL_LOSS(*a, **k)
+
+    newer_trl_loss.__signature__ = inspect.signature(TRL_LOSS).replace(parameters=[
+        *inspect.signature(TRL_LOSS).parameters.values(),
+        inspect.Parameter("new_option", inspect.Parameter.KEYWORD_ONLY, default=None)])
+    with pytest.warns(UserWarning):
+        foak_distill._FoakDivergenceLoss(newer_trl_loss)(**args, new_option=3)
+    with pytest.raises(TypeError), pytest.warns(UserWarning):
+        trl_distill._chunked_divergence_loss(**args, unknown_option=3)  # TRL's own raises
+    notes = report.result(ROW).notes
+    assert "TRL's own distillation loss ran 1 call: arguments foak does not know: ['new_option']" in notes
+    assert "arguments foak cannot bind to TRL's loss (got an unexpected keyword argument 'unknown_option')" in notes
+    assert calls == {"foak": 1, "trl": 3}
     # a student foak did not patch (here: the teacher as the student) gets TRL's function, uncounted
     trl_distill._chunked_divergence_loss(**{**args, "student_lm_head_weight": teacher.lm_head.weight,
                                             "student_hidden_states": torch.randn(1, 5, 32)})
-    assert calls == {"foak": 1, "trl": 3}
+    assert calls == {"foak": 1, "trl": 4}
     foak.restore(student)
 
 

@@ -199,7 +199,10 @@ class _FoakDivergenceLoss:
     def __call__(self, *args, **kwargs):
         try:
             bound = self.signature.bind(*args, **kwargs)
-        except TypeError:
+        except TypeError as e:  # a TRL whose callers pass what its loss's signature does not take
+            student = next((s for s in map(_student_of, (*args, *kwargs.values())) if s is not None), None)
+            if student is not None:
+                student.count_fallback(f"arguments foak cannot bind to TRL's loss ({e})")
             return self.original(*args, **kwargs)
         student = _student_of(bound.arguments.get("student_lm_head_weight"))
         if student is None:  # a student foak did not patch
