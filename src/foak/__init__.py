@@ -11,6 +11,7 @@ from foak.ops.rms_norm import rms_norm
 from foak.ops.rope import rope
 from foak.patching import patch, restore
 import foak.integrations.trl  # noqa: F401,E402  (registers foak's server for TRL's fused LM head)
+import foak.integrations.trl_distill  # noqa: F401,E402  (and for TRL's distillation loss)
 
 __version__ = "0.1.0"
 __all__ = [
