@@ -158,6 +158,32 @@ def test_lora_is_patched_and_exact(tmp_path, op_calls):
     assert_grads_close(grads, ref_grads, "LoRA through fms-acceleration")
 
 
+def test_qlora_nf4_with_the_seeds_sample_stanza(tmp_path):
+    from test_lora_nf4_rules import qlora_llama
+    from test_lora_rules import assert_same_training, calls
+
+    from foak.models.tiny import tiny_model
+    from foak.testing import bitsandbytes_dequant_by_formula
+
+    torch.manual_seed(0)
+    tiny_model("llama").save_pretrained(tmp_path / "tiny")
+    # fms-acceleration's accelerated-peft-bnb-nf4-foak sample stanza, spelling included
+    fw = framework(tmp_path, stanza(PEFT_STANZA, {"base_layer": "bitsandbytes", "fused_lora": True, "fast_loss": True,
+                                                  "fast_rsm_layernorm": True, "fast_rope_embeddings": True}))
+    with bitsandbytes_dequant_by_formula():  # (the comparison is with NF4 math; see test_lora_nf4_rules)
+        model = qlora_llama(tmp_path / "tiny", torch.float32, torch.float32)  # as fms-acceleration-peft hands it
+        reference = copy.deepcopy(model)
+        fw.augmentation(model, train_args(tmp_path), modifiable_args=(None,))
+        fw.get_callbacks_and_ready_for_train(model, None)
+        _PATCHED.append(model)
+        report = foak_plugin(fw).report
+        row = report.result("llama.fused_lora")
+        assert row.modules == 14 and "bases: 14 bitsandbytes NF4 Linear4bit" in row.notes, str(report)
+        assert report.count("llama.rms_norm") == 5 and report.count("llama.loss") == 1
+        assert assert_same_training(model, reference) == 28
+        assert calls(report) == (14, {}), row.notes
+
+
 # ---- the stanza: the seed's configs, translations, errors -------------------------------------------------
 
 def test_the_seeds_sample_configs_are_read(tmp_path):
