@@ -158,6 +158,19 @@ def test_lora_is_patched_and_exact(tmp_path, op_calls):
     assert_grads_close(grads, ref_grads, "LoRA through fms-acceleration")
 
 
+def test_config_file_from_the_environment(tmp_path, monkeypatch):
+    # AccelerationFramework reads ACCELERATION_FRAMEWORK_CONFIG_FILE when it gets no file or one with an empty
+    # 'plugins:' (what fms-hf-tuning writes when none of its acceleration flags is given)
+    config = tmp_path / "foak.yaml"
+    config.write_text(yaml.safe_dump({"plugins": stanza(FULL_STANZA, {"fast_rms_layernorm": True})}))
+    monkeypatch.setenv("ACCELERATION_FRAMEWORK_CONFIG_FILE", str(config))
+    empty = tmp_path / "empty.yaml"
+    empty.write_text(yaml.safe_dump({"plugins": {}}))
+    assert foak_plugin(AccelerationFramework(str(empty))).config.fast_rms_layernorm
+    AccelerationFramework.active_plugins = []
+    assert foak_plugin(AccelerationFramework()).config.fast_rms_layernorm
+
+
 def test_qlora_nf4_with_the_seeds_sample_stanza(tmp_path):
     from test_lora_nf4_rules import qlora_llama
     from test_lora_rules import assert_same_training, calls
