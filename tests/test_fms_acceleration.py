@@ -281,6 +281,7 @@ def test_registered_once_for_both_stanzas():
 
 
 def test_another_plugin_on_the_same_stanza_is_refused(tmp_path):
+    ours = []
     # (a module inside a package: register_plugin looks its package's version up)
     seed = type("FastKernelsAccelerationPlugin", (AccelerationPlugin,), {"__module__": "fms_acceleration.framework"})
     AccelerationPlugin.register_plugin(seed, configuration_or_paths=[PEFT_STANZA])
@@ -288,8 +289,17 @@ def test_another_plugin_on_the_same_stanza_is_refused(tmp_path):
         with pytest.raises(ValueError, match="FastKernelsAccelerationPlugin .* read the same stanzas, so both would "
                                              "patch the model.*pip uninstall fms-acceleration-foak"):
             framework(tmp_path, stanza(PEFT_STANZA, {"fast_loss": True}))
+        # importing foak's plugin module when the other one is already registered (as fms_acceleration does with
+        # an installed fms_acceleration_foak) refuses to register
+        ours = [r for r in PLUGIN_REGISTRATIONS if r.plugin is plugin_module.FoakAccelerationPlugin]
+        PLUGIN_REGISTRATIONS[:] = [r for r in PLUGIN_REGISTRATIONS if r not in ours]
+        with pytest.raises(ValueError, match="FastKernelsAccelerationPlugin of fms_acceleration"):
+            plugin_module.register()
+        assert not any(r.plugin is plugin_module.FoakAccelerationPlugin for r in PLUGIN_REGISTRATIONS)
     finally:
         PLUGIN_REGISTRATIONS[:] = [r for r in PLUGIN_REGISTRATIONS if r.plugin is not seed]
+        if not any(r.plugin is plugin_module.FoakAccelerationPlugin for r in PLUGIN_REGISTRATIONS):
+            PLUGIN_REGISTRATIONS.extend(ours)
 
 
 def test_launcher_runs_a_module_with_the_plugin_registered(tmp_path, monkeypatch, capsys):
