@@ -240,6 +240,7 @@ def test_fms_hf_tuning_dataclass_dump_and_auto_gptq(tmp_path):
     (FULL_STANZA, {"fused_lora": True}, "full fine-tuning has no LoRA adapters"),
     (PEFT_STANZA, {"fused_lora": True, "base_layer": "awq"}, "base_layer: expected auto_gptq or bitsandbytes"),
     (None, None, "exactly one must be used"),
+    (PEFT_STANZA, {"base_layer": None, "fused_lora": False, "fast_loss": False}, "switches no kernel on"),
 ])
 def test_keys_foak_cannot_honour_are_one_clear_line(tmp_path, path, switches, message):
     plugins = (stanza(path, switches) if path else

@@ -95,12 +95,12 @@ def _translate(stanza: Mapping, where: str) -> tuple[dict[str, Any], list[str]]:
         base = out["base_layer"]
         if base is None:  # (fms-hf-tuning's FusedLoraConfig writes base_layer: null when it is not given)
             del out["base_layer"]
-        elif base in _SEED_BASE_LAYERS:
+        elif isinstance(base, str) and base in _SEED_BASE_LAYERS:
             out["base_layer"] = _SEED_BASE_LAYERS[base]
             if base != out["base_layer"]:
                 notes.append(f"{where}.base_layer: {base} read as base_layer: {out['base_layer']} (foak fuses LoRA "
                              "over its own GPTQLinear layers)")
-        elif base not in ("none", "gptq"):
+        elif not (isinstance(base, str) and base in ("none", "gptq")):
             errors.append(f"{where}.base_layer: expected auto_gptq or bitsandbytes (or foak's none, gptq), got "
                           f"{base!r}")
     if errors:
@@ -159,6 +159,9 @@ class FoakAccelerationPlugin(AccelerationPlugin):
         super().__init__(configurations)
         _refuse_other_plugins()
         self.config, self.translations = config_from_plugin_configurations(configurations)
+        if not self.config.enabled_rules():
+            raise FoakPluginConfigError(f"{self.config.stanza_path} switches no kernel on; set at least one switch "
+                                        "to true (or remove the stanza)")
         self.mixed_precision: str | None = None
         self.report = None
 
