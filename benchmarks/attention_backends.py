@@ -72,6 +72,50 @@ def check(lengths: list[int]) -> list[dict]:
     return records
 
 
+def model_check(length: int = 8192) -> dict:
+    """foak's cudnn_attention switch in a model (CUDA): a 2-layer Llama with Llama-8B attention (32 query heads,
+    8 KV heads, head dim 128), bf16, one sequence of ``length`` tokens, gradient checkpointing: the loss and every
+    gradient of foak with cudnn_attention vs foak without (flash) vs the unpatched model in fp32; the report's
+    counts say which path ran."""
+    import copy
+
+    import transformers
+
+    import foak
+    from foak.patching.packed_attention import packed_attention_counts
+
+    config = transformers.LlamaConfig(hidden_size=4096, intermediate_size=1024, num_hidden_layers=2,
+                                      num_attention_heads=32, num_key_value_heads=8, vocab_size=1024,
+                                      max_position_embeddings=length)
+    torch.manual_seed(0)
+    ref = transformers.LlamaForCausalLM(config).cuda()
+    ref.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    ids = torch.randint(3, config.vocab_size, (1, length), device="cuda")
+
+    def grads(model):
+        model.zero_grad(set_to_none=True)
+        loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        return float(loss), {n: p.grad.float() for n, p in model.named_parameters()}
+
+    loss32, g32 = grads(ref)
+    out = {"length": length, "loss_fp32": loss32}
+    for name, switches in (("flash", {}), ("cudnn", {"cudnn_attention": True})):
+        model = copy.deepcopy(ref).bfloat16()
+        report = foak.patch(model, fast_packed_attention=True, **switches)
+        loss, g = grads(model)
+        worst = max(float((g[n] - g32[n]).abs().max() / g32[n].abs().max()) for n in g32)
+        out[name] = {"loss_rel_err": abs(loss - loss32) / abs(loss32), "worst_grad_rel_err": worst,
+                     "calls": packed_attention_counts(report, "llama.packed_attention")[1]}
+        foak.restore(model)
+        del model
+    out["ok"] = (out["cudnn"]["worst_grad_rel_err"] <= 2 * out["flash"]["worst_grad_rel_err"] + 1e-3
+                 and out["cudnn"]["loss_rel_err"] <= 2 * out["flash"]["loss_rel_err"] + 1e-3
+                 and set(out["cudnn"]["calls"]) == {"not a packed batch: sdpa with cuDNN attention"})
+    print("MODEL " + json.dumps(out), flush=True)
+    return out
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default="benchmarks/results")
@@ -79,8 +123,11 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--check-lengths", nargs="*", type=int, default=[4096, 4099],
                         help="lengths of the accuracy check vs an fp32 reference (before the timing)")
+    parser.add_argument("--model-check", action="store_true",
+                        help="first: foak's cudnn_attention switch in a 2-layer model vs flash and fp32")
     args = parser.parse_args()
-    records = check(args.check_lengths)
+    records = [model_check()] if args.model_check else []
+    records += check(args.check_lengths)
     for length in args.lengths:
         torch.manual_seed(0)
         shape = (1, 32, length, 128)
@@ -94,6 +141,34 @@ def main() -> None:
                 records.append({"length": length, "backend": backend, "error": str(err).splitlines()[0][:200]})
                 print(json.dumps(records[-1]), flush=True)
                 continue
+        # grouped K/V heads (Llama-8B: 8 KV heads) as transformers' sdpa path calls it (enable_gqa=True): does
+        # cuDNN take it (torch's own check, what foak's cudnn_attention reads), and how fast
+        kv = (torch.randn((1, 8, length, 128), device="cuda", dtype=torch.bfloat16).requires_grad_()
+              for _ in range(2))
+        k8, v8 = kv
+        params = torch.backends.cuda.SDPAParams(q, k8, v8, None, 0.0, True, True)
+        records.append({"length": length, "gqa_cudnn_accepts": torch.backends.cuda.can_use_cudnn_attention(params),
+                        "gqa_flash_accepts": torch.backends.cuda.can_use_flash_attention(params)})
+        print(json.dumps(records[-1]), flush=True)
+        for backend in ("flash", "cudnn"):
+            try:
+                with sdpa_kernel(BACKENDS[backend]):
+                    def once():
+                        for t in (q, k8, v8):
+                            t.grad = None
+                        F.scaled_dot_product_attention(q, k8, v8, is_causal=True, enable_gqa=True).backward(dout)
+                    once()
+                    torch.cuda.synchronize()
+                    start = time.perf_counter()
+                    for _ in range(args.repeats):
+                        once()
+                    torch.cuda.synchronize()
+                records.append({"length": length, "backend": f"{backend}-gqa",
+                                "fwd_bwd_ms": (time.perf_counter() - start) / args.repeats * 1e3})
+            except Exception as err:
+                records.append({"length": length, "backend": f"{backend}-gqa", "error": str(err).splitlines()[0][:200]})
+            print(json.dumps(records[-1]), flush=True)
+        del k8, v8
         ref = results.get("flash")
         for backend, (ms, tensors) in results.items():
             rec = {"length": length, "backend": backend, "fwd_bwd_ms": ms,
@@ -115,7 +190,7 @@ def main() -> None:
         if "check" in r:
             err = max(r.get("rel_err_vs_fp32", {"-": float("nan")}).values())
             print(f"| {r['check']} (vs fp32) | {r['backend']} | | | {err:.1e} | {r.get('error', '')}")
-        if "length" in r:
+        if "backend" in r and "length" in r:
             err = max(r.get("rel_err_vs_flash", {"-": float("nan")}).values())
             print(f"| {r['length']} | {r['backend']} | {r.get('fwd_bwd_ms', float('nan')):.0f} | "
                   f"{r.get('tflops', float('nan')):.0f} | {err:.1e} | {r.get('error', '')}")

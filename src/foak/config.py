@@ -96,6 +96,9 @@ class AccelerationConfig(BaseModel):
     # packed batches (position_ids restarting, no attention_mask) attend per sequence through foak's
     # varlen attention; unpacked batches run the previous attention implementation unchanged
     fast_packed_attention: bool = False
+    # with fast_packed_attention: the unpacked causal batches that go to SDPA (bf16/fp16, CUDA sm90+, no mask)
+    # ask for cuDNN's attention first (flash when cuDNN declines a call; the report counts both)
+    cudnn_attention: bool = False
     base_layer: Literal["none", "bitsandbytes", "gptq"] = "none"
     # under gradient checkpointing, the checkpointed layers' inputs live in pinned CPU memory until their
     # recompute (foak.patching.offload); the budget caps the host memory (default: half the available RAM)
@@ -133,6 +136,9 @@ class AccelerationConfig(BaseModel):
                 f"offload_budget_gib: {self.offload_budget_gib} in {where}: "
                 + ("it must be a positive number of GiB" if self.offload_activations else
                    "it only applies with offload_activations: true; add that switch or remove the budget"))
+        if self.cudnn_attention and not self.fast_packed_attention:
+            raise ValueError(f"cudnn_attention: true in {where} works through foak's attention function: add "
+                             "fast_packed_attention: true, or remove cudnn_attention")
         if self.tiled_mlp_chunk_tokens is not None:
             if self.tiled_mlp_chunk_tokens <= 0:
                 raise ValueError(f"{where}.tiled_mlp_chunk_tokens must be a positive number of tokens, got "

@@ -97,6 +97,10 @@ def patch(model, config=None, *, mixed_precision: str | None = None, **switches)
         from foak.patching.offload import offload_activations_rule
 
         rules = [*rules, offload_activations_rule(model_type, cfg.offload_budget_gib)]
+    if cfg.cudnn_attention:
+        from foak.patching.packed_attention import CUDNN_ATTR
+
+        object.__setattr__(model, CUDNN_ATTR, True)
     if cfg.tiled_mlp:
         from foak.patching.replacements import TILED_MLP_CHUNK_ATTR
 

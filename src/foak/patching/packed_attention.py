@@ -135,13 +135,50 @@ class _Entry(SharedAcrossCopies):
     module of the patched stack holds it (attribute ``_ENTRY_ATTR``): a model built from the same config
     object but not patched holds none, and runs the previous implementation, uncounted."""
 
-    __slots__ = ("counts", "previous")
+    __slots__ = ("counts", "cudnn", "previous")
 
-    def __init__(self, counts: _Counts, previous: str):
-        self.counts, self.previous = counts, previous
+    def __init__(self, counts: _Counts, previous: str, cudnn: bool = False):
+        self.counts, self.previous, self.cudnn = counts, previous, cudnn
 
 
 _ENTRY_ATTR = "_foak_packed_attention"
+CUDNN_ATTR = "_foak_cudnn_attention"  # set on the model by foak.patch (the cudnn_attention switch)
+_CUDNN_FIRST = None  # the SDPA backend priority with cuDNN's attention first (built on first use)
+
+
+def _cudnn_declines(query, key, value, attention_mask, kwargs) -> str | None:
+    """Why an unpacked call going to SDPA does not ask for cuDNN's attention first; None: it does, and cuDNN
+    takes it (torch.backends.cuda.can_use_cudnn_attention on the call's tensors)."""
+    if not query.is_cuda:
+        return "not on CUDA"
+    if query.dtype not in (torch.float16, torch.bfloat16):
+        return f"{str(query.dtype).replace('torch.', '')} q/k/v (cuDNN attention: fp16/bf16)"
+    if torch.cuda.get_device_capability(query.device)[0] < 9:
+        return "a GPU before sm90 (measured on Hopper only)"
+    if attention_mask is not None:
+        return "a mask"
+    if kwargs.get("dropout") or kwargs.get("dropout_p"):
+        return "dropout"
+    if torch.compiler.is_compiling():
+        return "compiling"
+    gqa = key.shape[1] != query.shape[1]
+    params = torch.backends.cuda.SDPAParams(query, key, value, None, 0.0, query.shape[2] > 1, gqa)
+    if not torch.backends.cuda.can_use_cudnn_attention(params):
+        return "cuDNN's checks" + (" (grouped K/V heads)" if gqa else "")
+    return None
+
+
+def _sdpa_cudnn_first():
+    global _CUDNN_FIRST
+    if _CUDNN_FIRST is None:
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+
+        order = [SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION,
+                 SDPBackend.MATH]
+        _CUDNN_FIRST = lambda: sdpa_kernel(order, set_priority=True)  # noqa: E731
+    return _CUDNN_FIRST()
+
+
 # id(config) -> (weak config, the implementation it named before foak selected its own): for the mask
 # function, which receives the config only, and for models sharing a patched model's config object
 _PREVIOUS: dict[int, tuple] = {}
@@ -501,7 +538,16 @@ def foak_attention_forward(module: nn.Module, query: torch.Tensor, key: torch.Te
         if (reason == "not a packed batch" and kwargs.get("sliding_window") is not None and current is not None
                 and current.entry is entry):  # a sliding-window layer: why it keeps transformers' mask
             reason = (current.window.mask_reason if current.window is not None else current.window_reason) or reason
-        out = _previous_function(module, entry.previous)(module, query, key, value, attention_mask, *args, **kwargs)
+        previous = _previous_function(module, entry.previous)
+        if entry.cudnn and entry.previous == "sdpa" and reason == "not a packed batch":
+            declined = _cudnn_declines(query, key, value, attention_mask, kwargs)
+            if declined is None:
+                with _sdpa_cudnn_first():
+                    out = previous(module, query, key, value, attention_mask, *args, **kwargs)
+                entry.counts.count(None, "not a packed batch: sdpa with cuDNN attention")
+                return out
+            reason = f"not a packed batch: sdpa without cuDNN attention ({declined})"
+        out = previous(module, query, key, value, attention_mask, *args, **kwargs)
         entry.counts.count(None, reason)
         return out
     B, Hq, S, D = query.shape
@@ -673,7 +719,7 @@ def packed_attention_rule(arch: str, stack_class: type, text_config: bool = Fals
         if previous not in TAKEN_OVER:
             why = _NOT_TAKEN.get(previous, "foak takes over sdpa and eager only")
             return Skip(f"config._attn_implementation is {previous!r}: {why}")
-        entry = _Entry(_counts_of(state, rule_id, previous), previous)
+        entry = _Entry(_counts_of(state, rule_id, previous), previous, bool(model.__dict__.get(CUDNN_ATTR)))
         tagged = [m for m in module.modules() if getattr(m, "config", None) is config or m is module]
         for m in tagged:
             m.__dict__[_ENTRY_ATTR] = entry
