@@ -543,6 +543,8 @@ def check_arguments(argv: list[str]) -> CheckedRun:
     config = resolve_config(foak_args)
     if config is not None:
         check_architecture((foak_args.arch or "llama") if source is None else source.model_type, foak_args)
-    if foak_args.dataset is not None and not Path(foak_args.dataset).is_file():  # (read_jsonl's words)
-        raise ValueError(f"dataset file not found: {foak_args.dataset}")
+    if foak_args.dataset is not None and not Path(foak_args.dataset).is_file():
+        from foak.data import DatasetError  # (imports torch: only on this error path)
+
+        raise DatasetError(f"dataset file not found: {foak_args.dataset}")  # (read_jsonl's words)
     return CheckedRun(foak_args, log_level, source, gptq, config)
