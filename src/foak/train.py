@@ -192,7 +192,8 @@ def _load_kwargs(foak_args, training_args) -> dict:
         try:
             import bitsandbytes  # noqa: F401
         except ImportError:
-            raise ValueError("--peft qlora-nf4 needs bitsandbytes: pip install 'foak[qlora]'") from None
+            raise ValueError("--peft qlora-nf4 needs bitsandbytes: pip install bitsandbytes"
+                             " (foak's train extra has it)") from None
         kwargs["quantization_config"] = transformers.BitsAndBytesConfig(
             load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
             bnb_4bit_compute_dtype=_autocast_dtype(training_args) or dtype)
@@ -320,7 +321,7 @@ def apply_peft(model, foak_args, gradient_checkpointing: bool = False):
     try:
         import peft
     except ImportError:
-        raise ValueError(f"--peft {foak_args.peft} needs peft: pip install 'foak[train]'") from None
+        raise ValueError(f"--peft {foak_args.peft} needs peft: pip install peft (foak's train extra has it)") from None
 
     if foak_args.peft == "qlora-nf4":
         model = peft.prepare_model_for_kbit_training(
