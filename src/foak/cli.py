@@ -1,11 +1,12 @@
 """The ``foak`` command line: ``foak info``, ``foak verify``, ``foak train`` (foak.train), ``foak bench``
-(foak.bench.cli) and ``foak --version``.
+(foak.bench.cli) and ``foak --version`` (the installed package's metadata).
 
 A user error (a bad path, dataset, config or argument, an unsupported model) is one line on stderr, prefixed
 ``foak <command>: error:``, and exit code 2; ``--debug`` anywhere on the command line (or ``FOAK_DEBUG=1``)
-prints the traceback too. The arguments are parsed before torch or transformers is imported (``foak --help``,
-``foak train --help`` and argument errors come back at once). bitsandbytes' warning that its optional CPU 4-bit GEMM kernel (from the ``kernels``
-package) could not be loaded is silenced; nothing else is."""
+prints the traceback too. The arguments are parsed and checked before torch or transformers is imported
+(``foak --help``, ``foak train --help`` and argument errors come back at once; foak.train_cli for foak train).
+bitsandbytes' warning that its optional CPU 4-bit GEMM kernel (from the ``kernels`` package) could not be
+loaded is silenced; nothing else is."""
 
 from __future__ import annotations
 

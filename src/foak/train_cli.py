@@ -23,8 +23,6 @@ from dataclasses import dataclass, field
 from functools import lru_cache
 from pathlib import Path
 
-log = logging.getLogger("foak.train")
-
 DEFAULT_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 # TrainingArguments defaults foak sets (argparse defaults: whatever the command line gives wins, in either
 # spelling); dataloader_pin_memory (a CUDA GPU is there) and use_cpu (none is) are added
@@ -281,6 +279,7 @@ def _unknown_arguments_error(parser, remaining: list[str]) -> ValueError:
     hint = f"; did you mean {' or '.join(close)}?" if close else ""
     return ValueError(f"unrecognized argument(s): {' '.join(remaining)}{hint} (foak train --help lists the "
                       "options)")
+
 
 def foak_arguments(namespace: argparse.Namespace, argv: list[str]) -> FoakArguments:
     """The FoakArguments of a parsed command line, checked: ValueError for a value foak cannot take."""
