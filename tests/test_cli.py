@@ -396,7 +396,7 @@ def test_license_extras_and_readme_references():
     assert "Apache License" in license_text and "Version 2.0, January 2004" in license_text
     assert "END OF TERMS AND CONDITIONS" in license_text
     project = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
-    assert project["license"] == {"text": "Apache-2.0"}
+    assert project["license"] == "Apache-2.0" and project["license-files"] == ["LICENSE"]
     for extra in ("train", "qlora"):
         names = {re.split(r"[<>=; ]", r)[0] for r in project["optional-dependencies"][extra]}
         assert {"accelerate", "peft", "bitsandbytes"} <= names, extra

@@ -1,10 +1,12 @@
 """The ``foak`` command line: ``foak info``, ``foak verify``, ``foak train`` (foak.train), ``foak bench``
-(foak.bench.cli) and ``foak --version``.
+(foak.bench.cli) and ``foak --version`` (the installed package's metadata).
 
 A user error (a bad path, dataset, config or argument, an unsupported model) is one line on stderr, prefixed
 ``foak <command>: error:``, and exit code 2; ``--debug`` anywhere on the command line (or ``FOAK_DEBUG=1``)
-prints the traceback too. bitsandbytes' warning that its optional CPU 4-bit GEMM kernel (from the ``kernels``
-package) could not be loaded is silenced; nothing else is."""
+prints the traceback too. The arguments are parsed and checked before torch or transformers is imported
+(``foak --help``, ``foak train --help`` and argument errors come back at once; foak.train_cli for foak train).
+bitsandbytes' warning that its optional CPU 4-bit GEMM kernel (from the ``kernels`` package) could not be
+loaded is silenced; nothing else is."""
 
 from __future__ import annotations
 
@@ -14,8 +16,6 @@ import os
 import platform
 import sys
 import traceback
-
-import torch
 
 # what a user can get wrong: printed as one line (the traceback with --debug)
 USER_ERRORS = (ValueError, OSError, ImportError)
@@ -44,6 +44,7 @@ class _Parser(argparse.ArgumentParser):
 
 
 def _cmd_info(args) -> int:
+    import torch
     import triton
 
     import foak
@@ -83,6 +84,8 @@ def _format_table(rows: list[dict]) -> str:
 
 
 def _cmd_verify(args) -> int:
+    import torch
+
     from foak.backend import describe, get_backend
 
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
@@ -151,6 +154,8 @@ def _load_verify_model(args, device, dtype):
 
 
 def _verify_model(args, device, backend) -> int:
+    import torch
+
     dtype = getattr(torch, args.dtype)
     if args.model:
         model, source = _load_verify_model(args, device, dtype)
@@ -234,8 +239,8 @@ def main(argv: list[str] | None = None) -> int:
             from foak.bench.cli import main as bench_main
 
             return bench_main(argv[1:])
-        if command == "train":  # HF TrainingArguments names: parsed by transformers' HfArgumentParser
-            from foak.train import help_text, train
+        if command == "train":  # foak's options and HF TrainingArguments names
+            from foak.train_cli import check_arguments, help_text
 
             rest = argv[1:]
             if any(a in ("--help_all", "--help-all") for a in rest):
@@ -244,7 +249,10 @@ def main(argv: list[str] | None = None) -> int:
             if any(a in ("-h", "--help") for a in rest):
                 print(help_text(), end="")
                 return 0
-            train(rest)
+            checked = check_arguments(rest)  # the user's errors, before torch and transformers are imported
+            from foak.train import train
+
+            train(rest, checked)
             return 0
         try:
             args = build_parser().parse_args(argv)

@@ -28,11 +28,13 @@ import difflib
 import os
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, Literal, get_args, get_origin
+from typing import TYPE_CHECKING, Any, Literal, get_args, get_origin
 
-import torch
 import yaml
 from pydantic import BaseModel, ConfigDict, ValidationError, model_validator
+
+if TYPE_CHECKING:  # (imported where check_precision runs: reading a config needs no torch)
+    import torch
 
 __all__ = [
     "FULL_STANZA",
@@ -361,7 +363,7 @@ def config_from_kwargs(mode: str = "full", **switches: Any) -> AccelerationConfi
     return _from_stanza(mode, switches, STANZA_OF_MODE[mode])
 
 
-_DTYPE_NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
+_DTYPE_NAMES = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}  # torch.<name>; torch imported on use
 _MIXED_PRECISION = ("no", "fp16", "bf16")
 
 
@@ -392,7 +394,9 @@ def check_precision(weights_dtype: torch.dtype, mixed_precision: Literal["no", "
       gradients from underflowing; the trainable adapters are fp32). bf16 autocast over fp16 weights
       mixes two 16-bit formats; no mixed precision runs fp16 without loss scaling.
     """
-    if not isinstance(weights_dtype, torch.dtype) or weights_dtype not in _DTYPE_NAMES:
+    import torch  # here, not at the top: reading and validating a config needs no torch (foak train's early checks)
+
+    if not isinstance(weights_dtype, torch.dtype) or str(weights_dtype).removeprefix("torch.") not in _DTYPE_NAMES:
         raise ValueError(
             f"weights_dtype must be torch.float32, torch.bfloat16 or torch.float16 (the dtype the model was loaded "
             f"in; for a quantized base, that of its non-quantized weights), got {weights_dtype!r}"

@@ -38,15 +38,11 @@ it; rank 0 alone logs the patch report and the summary, whose token counts are a
 
 from __future__ import annotations
 
-import argparse
-import difflib
 import logging
 import math
 import resource
 import sys
-import textwrap
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -60,79 +56,37 @@ from foak.data import (
     tokenize,
 )
 
+# foak train's command line, its --help and the early checks (light: no torch, no transformers), re-exported
+from foak.train_cli import (  # noqa: F401
+    COMMON_TRAINING_ARGUMENTS,
+    DEFAULT_TARGETS,
+    DESCRIPTION,
+    DTYPE_CHOICES,
+    EMBEDDED_DEFAULTS,
+    EXAMPLES,
+    LONG_CONTEXT_SWITCHES,
+    PEFT_CHOICES,
+    TRAINER_DEFAULTS,
+    CheckedRun,
+    FoakArguments,
+    _given_checkpointing,
+    _is_embedded,
+    _unknown_arguments_error,
+    _usage_error,
+    check_architecture,
+    check_arguments,
+    gptq_checkpoint,
+    help_text,
+    long_context_switches,
+    parse_foak_arguments,
+    resolve_config,
+    setup_logging,
+)
+
 log = logging.getLogger("foak.train")
 
-DEFAULT_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 # the default targets of a model that fuses some of them into one projection (Phi-3's qkv_proj, gate_up_proj)
 _FUSED_TARGETS = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
-# TrainingArguments defaults foak sets (argparse defaults: whatever the command line gives wins, in either
-# spelling); dataloader_pin_memory (a CUDA GPU is there) and use_cpu (none is) are added
-TRAINER_DEFAULTS = {"output_dir": "foak-output", "report_to": "none", "save_strategy": "no",
-                    "logging_steps": 5, "per_device_train_batch_size": 8}
-# ... and for the embedded default (no --model and no --dataset)
-EMBEDDED_DEFAULTS = {"max_steps": 60, "learning_rate": 3e-3, "warmup_steps": 5,
-                     "per_device_train_batch_size": 16}
-PEFT_CHOICES = ("none", "lora", "qlora-nf4")
-DTYPE_CHOICES = ("float32", "bfloat16", "float16")
-EXAMPLES = """\
-examples:
-  foak train                                   # the embedded default: tiny Llama, generated corpus, 60 steps
-  foak train --model ./my-llama --dataset data.jsonl --bf16 --max_steps 1000 --output_dir out
-  foak train --model meta-llama/Llama-3.2-1B --dataset pairs.jsonl --peft lora --lora_r 16
-  foak train --model ./my-llama --dataset data.jsonl --acceleration_config none     # the baseline, no foak"""
-DESCRIPTION = ("Fine-tune a causal LM with HF Trainer, foak's kernels patched in (by default every kernel foak "
-               "has for the model's architecture; the patch report says which). No --model and no --dataset: "
-               "the embedded default, a tiny Llama, a character tokenizer and a generated corpus made locally.")
-
-
-@dataclass
-class FoakArguments:
-    model: str | None = field(default=None, metadata={
-        "help": "local directory or hub id (org/name) of an HF causal LM, or a GPTQ 4-bit checkpoint directory "
-                "(with --peft lora); default: the embedded tiny Llama"})
-    arch: str | None = field(default=None, metadata={
-        "help": "model_type of the embedded tiny model (default llama; `foak info` lists them)"})
-    dataset: str | None = field(default=None, metadata={
-        "help": "JSONL file, one {'text': ...} or {'prompt': ..., 'response': ...} per line (a pair trains on "
-                "the response only); default: a generated corpus"})
-    text_field: str = field(default="text", metadata={"help": "the JSONL field holding plain text"})
-    long_context: bool = field(default=False, metadata={
-        "help": "preset: gradient checkpointing + offload_activations + tiled_mlp on foak's defaults"})
-    max_seq_length: int | None = field(default=None, metadata={
-        "help": "truncate longer sequences; default: the model's context length, capped at 4096 (not with "
-                "--long_context)"})
-    packing: bool = field(default=False, metadata={
-        "help": "padding-free packing: each batch one row, position_ids restarting per sequence"})
-    peft: str = field(default="none", metadata={
-        "help": "none (full fine-tuning) | lora | qlora-nf4 (LoRA on a bitsandbytes NF4 base): decides full "
-                "fine-tuning vs PEFT; with lora/qlora-nf4 the default kernels include fused_lora"})
-    lora_r: int = field(default=16, metadata={"help": "LoRA rank"})
-    lora_alpha: int = field(default=16, metadata={"help": "LoRA alpha (the scaling is alpha / r)"})
-    lora_dropout: float = field(default=0.0, metadata={"help": "LoRA dropout probability"})
-    target_modules: list[str] = field(default_factory=lambda: list(DEFAULT_TARGETS), metadata={
-        "help": "names of the linear layers that get LoRA adapters (by default qkv_proj / gate_up_proj in place of "
-                "q/k/v_proj / gate/up_proj where the model fuses them, as Phi-3)"})
-    acceleration_config: str | None = field(default=None, metadata={
-        "help": "foak YAML (README: Patching a model); its stanza must match --peft. none: no foak kernels "
-                "(the baseline). Default: every kernel foak has for the model's architecture"})
-    torch_dtype: str | None = field(default=None, metadata={
-        "help": "float32 | bfloat16 | float16: the dtype the weights are loaded in. Default float32, so --bf16 "
-                "/ --fp16 autocast over fp32 master weights (HF's meaning); with a quantized base (qlora-nf4, "
-                "GPTQ) the --bf16/--fp16 dtype. bfloat16 without --bf16: pure bf16 training"})
-
-
-def _usage_error(message: str):
-    raise ValueError(message)
-
-
-def _is_embedded(argv: list[str]) -> bool:
-    """No --model and no --dataset on the command line (either spelling, --x=value too)."""
-    pre = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
-    pre.error = _usage_error
-    pre.add_argument("--model")
-    pre.add_argument("--dataset")
-    known, _ = pre.parse_known_args(argv)
-    return known.model is None and known.dataset is None
 
 
 def build_parser(embedded: bool):
@@ -151,61 +105,23 @@ def build_parser(embedded: bool):
     return parser
 
 
-def _unknown_arguments_error(parser, remaining: list[str]) -> ValueError:
-    options = [o for a in parser._actions for o in a.option_strings if o.startswith("--")]
-    first = next((r for r in remaining if r.startswith("-")), remaining[0])
-    close = difflib.get_close_matches(first.split("=")[0], options, n=3, cutoff=0.6)
-    hint = f"; did you mean {' or '.join(close)}?" if close else ""
-    return ValueError(f"unrecognized argument(s): {' '.join(remaining)}{hint} (foak train --help lists the "
-                      "options)")
-
-
 def parse_arguments(argv: list[str]):
     """(FoakArguments, TrainingArguments) of a ``foak train`` command line; ValueError for a bad one."""
+    foak_args = parse_foak_arguments(argv)  # foak's checks first, without transformers
+    return foak_args, parse_training_arguments(argv, foak_args)
+
+
+def parse_training_arguments(argv: list[str], foak_args):
+    """The TrainingArguments of a ``foak train`` command line, parsed by HF's own parser with foak's defaults
+    (``foak_args``: the command line's checked FoakArguments; its gradient checkpointing resolved)."""
     argv = list(argv)
     parser = build_parser(_is_embedded(argv))
-    foak_args, training_args, remaining = parser.parse_args_into_dataclasses(
+    _, training_args, remaining = parser.parse_args_into_dataclasses(
         argv, return_remaining_strings=True, look_for_args_file=False)
     if remaining:
         raise _unknown_arguments_error(parser, remaining)
-    if foak_args.peft not in PEFT_CHOICES:
-        raise ValueError(f"--peft must be none, lora or qlora-nf4, got {foak_args.peft!r}")
-    if foak_args.torch_dtype is not None and foak_args.torch_dtype not in DTYPE_CHOICES:
-        raise ValueError(f"--torch_dtype must be one of {', '.join(DTYPE_CHOICES)}, got {foak_args.torch_dtype!r}")
-    if foak_args.max_seq_length is not None and foak_args.max_seq_length <= 0:
-        raise ValueError(f"--max_seq_length must be a positive number of tokens, got {foak_args.max_seq_length}")
-    if foak_args.arch is not None:
-        if foak_args.model is not None:
-            raise ValueError("--arch picks the embedded tiny model's architecture; with --model the model's own "
-                             "config decides it: drop --arch")
-        from foak.models.tiny import TINY_CONFIGS
-
-        if foak_args.arch not in TINY_CONFIGS:
-            raise ValueError(f"--arch {foak_args.arch!r}: no embedded tiny model of that type; choose one of "
-                             f"{', '.join(sorted(TINY_CONFIGS))}")
-    if foak_args.acceleration_config is not None and foak_args.acceleration_config.lower() == "none":
-        foak_args.acceleration_config = "none"
-    if foak_args.long_context and foak_args.acceleration_config is not None:
-        raise ValueError("--long_context adds its switches to foak's default kernels; with --acceleration_config "
-                         f"put them in the YAML instead ({', '.join(long_context_switches())}: true) and drop "
-                         "--long_context")
     resolve_gradient_checkpointing(argv, foak_args, training_args)
-    return foak_args, training_args
-
-
-def _given_checkpointing(argv: list[str]) -> bool | None:
-    """--gradient_checkpointing / --activation_checkpointing (transformers' new name for it) as the command line
-    gives it (either spelling, with or without a value), None when neither is given. The parsed
-    TrainingArguments cannot tell: their __post_init__ turns "not given" into False."""
-    from transformers.hf_argparser import string_to_bool
-
-    pre = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
-    pre.error = _usage_error
-    for name in ("gradient_checkpointing", "activation_checkpointing"):
-        pre.add_argument(f"--{name}", f"--{name.replace('_', '-')}", type=string_to_bool, nargs="?", const=True)
-    known, _ = pre.parse_known_args(argv)
-    return known.activation_checkpointing if known.activation_checkpointing is not None else \
-        known.gradient_checkpointing
+    return training_args
 
 
 def resolve_gradient_checkpointing(argv: list[str], foak_args, training_args) -> None:
@@ -219,117 +135,13 @@ def resolve_gradient_checkpointing(argv: list[str], foak_args, training_args) ->
                          "inputs): drop --gradient_checkpointing false")
     on = given if given is not None else (foak_args.peft == "qlora-nf4" or foak_args.long_context)
     training_args.activation_checkpointing = training_args.gradient_checkpointing = bool(on)
-    if on and not training_args.activation_checkpointing_kwargs:
-        training_args.activation_checkpointing_kwargs = {"use_reentrant": False}
-        training_args.gradient_checkpointing_kwargs = training_args.activation_checkpointing_kwargs
-
-
-# ---- --help ---------------------------------------------------------------------------------------------
-# the TrainingArguments `foak train --help` shows, with foak's words; --help_all prints HF's help of all of them
-COMMON_TRAINING_ARGUMENTS = {
-    "output_dir": "where the model (or the adapter), the tokenizer, loss_curve.png and train_summary.json go",
-    "max_steps": "optimizer steps to train (-1: num_train_epochs decides)",
-    "num_train_epochs": "epochs over the dataset when max_steps is -1",
-    "per_device_train_batch_size": "sequences per micro-batch",
-    "gradient_accumulation_steps": "micro-batches per optimizer step",
-    "learning_rate": "peak learning rate",
-    "lr_scheduler_type": "linear, cosine, constant, ...",
-    "warmup_steps": "steps of linear warm-up",
-    "weight_decay": "AdamW weight decay",
-    "max_grad_norm": "gradient clipping norm",
-    "optim": "optimizer: adamw_torch_fused, adamw_torch, sgd, ...",
-    "bf16": "bf16 autocast over the weights (fp32 unless --torch_dtype)",
-    "fp16": "fp16 autocast with a GradScaler over the weights (fp32 unless --torch_dtype)",
-    "gradient_checkpointing": "recompute the layers' activations in the backward (less memory); default off, "
-                              "on with --peft qlora-nf4 (--gradient_checkpointing false turns it off)",
-    "seed": "seeds python, numpy and torch before the model and adapters are built",
-    "logging_steps": "log the mean loss every N steps",
-    "log_level": "debug, info, warning, error: foak's logging and transformers' (passive: foak info)",
-    "save_strategy": "no, steps or epoch: checkpoints during training (the final model is always saved)",
-    "save_steps": "checkpoint every N steps with --save_strategy steps",
-    "resume_from_checkpoint": "a checkpoint directory of an earlier run to continue",
-    "report_to": "none, tensorboard, wandb, ...",
-    "dataloader_num_workers": "data loading processes",
-}
-
-
-def _option_line(action, help_text: str, default_text: str) -> list[str]:
-    name = action.option_strings[0]
-    takes_value = action.nargs != 0 and not (action.nargs == "?" and action.const is True)
-    metavar = "" if not takes_value else " " + ("X [X ...]" if action.nargs in ("+", "*") else "X")
-    left = f"  {name}{metavar}"
-    text = help_text + (" [" + default_text.replace(" ", "\0") + "]" if default_text else "")  # kept on one line
-    width = 30
-    body = [line.replace("\0", " ") for line in textwrap.wrap(text, 110 - width - 1)] or [""]
-    first = left.ljust(width) + " " + body[0] if len(left) < width else left + "\n" + " " * (width + 1) + body[0]
-    return [first] + [" " * (width + 1) + line for line in body[1:]]
-
-
-def _default_text(dest: str, default) -> str:
-    if dest in EMBEDDED_DEFAULTS:
-        base = "-1" if dest == "max_steps" else default
-        return f"default {base}; the embedded default run: {EMBEDDED_DEFAULTS[dest]}"
-    if dest in ("dataloader_pin_memory", "use_cpu") or default is None or default == [] or default is False:
-        return ""
-    if isinstance(default, list):
-        default = " ".join(map(str, default))
-    return f"default {default}"
-
-
-def help_text(full: bool = False) -> str:
-    """``foak train --help`` (short: foak's options and the common TrainingArguments, with foak's defaults)
-    or, with ``full``, argparse's help of every argument (HF's long tail) with foak's defaults."""
-    parser = build_parser(embedded=False)
-    if full:
-        return parser.format_help()
-    foak_dests = set(FoakArguments.__dataclass_fields__)
-    by_dest = {a.dest: a for a in parser._actions}
-    lines = ["usage: foak train [--model DIR|ORG/NAME] [--dataset FILE.jsonl] [--peft none|lora|qlora-nf4] "
-             "[option ...]", "", *textwrap.wrap(DESCRIPTION, 110), "", EXAMPLES, "", "foak options:"]
-    for dest in FoakArguments.__dataclass_fields__:
-        action = by_dest[dest]
-        lines += _option_line(action, action.help or "", _default_text(dest, action.default))
-    lines += ["", "common TrainingArguments (all of HF's work; foak train --help_all lists every one):"]
-    for dest, text in COMMON_TRAINING_ARGUMENTS.items():
-        action = by_dest[dest]
-        assert dest not in foak_dests
-        lines += _option_line(action, text, _default_text(dest, action.default))
-    lines += ["", *textwrap.wrap(
-        "Every option takes underscores or dashes (--max_steps = --max-steps). Errors are one line on stderr "
-        "and exit code 2; --debug (or FOAK_DEBUG=1) adds the traceback.", 110)]
-    return "\n".join(lines) + "\n"
-
-
-# ---- logging --------------------------------------------------------------------------------------------
-class _StdoutHandler(logging.Handler):
-    """Writes to the sys.stdout of the moment (so a redirected or captured stdout receives it)."""
-
-    def emit(self, record):
-        try:
-            prefix = "" if record.levelno < logging.WARNING else f"{record.levelname.lower()}: "
-            sys.stdout.write(prefix + record.getMessage() + "\n")
-            sys.stdout.flush()
-        except Exception:  # noqa: BLE001 (logging must never raise)
-            self.handleError(record)
-
-
-LOG_LEVELS = {"passive": logging.INFO, "detail": logging.DEBUG, "debug": logging.DEBUG, "info": logging.INFO,
-              "warning": logging.WARNING, "error": logging.ERROR, "critical": logging.CRITICAL}
-
-
-def setup_logging(log_level: str = "passive") -> None:
-    """foak's loggers (``foak.*``) to stdout at ``log_level`` (TrainingArguments' names; passive = info)."""
-    logger = logging.getLogger("foak")
-    for handler in [h for h in logger.handlers if isinstance(h, _StdoutHandler)]:
-        logger.removeHandler(handler)
-    logger.addHandler(_StdoutHandler())
-    level = LOG_LEVELS.get(log_level, logging.INFO)
-    from foak.integrations.accelerate import is_main_process
-
-    if not is_main_process():  # under torchrun / accelerate launch: the report and summary from rank 0 only
-        level = max(level, logging.WARNING)
-    logger.setLevel(level)
-    logger.propagate = False
+    # transformers >= 5.24 names them activation_checkpointing*, 5.17 gradient_checkpointing* only
+    kwargs = getattr(training_args, "activation_checkpointing_kwargs", None) or \
+        training_args.gradient_checkpointing_kwargs
+    if on and not kwargs:
+        if hasattr(training_args, "activation_checkpointing_kwargs"):
+            training_args.activation_checkpointing_kwargs = {"use_reentrant": False}
+        training_args.gradient_checkpointing_kwargs = {"use_reentrant": False}
 
 
 # ---- precision ------------------------------------------------------------------------------------------
@@ -369,26 +181,6 @@ def check_run_precision(foak_args, training_args, gptq) -> None:
 
 
 # ---- the model --------------------------------------------------------------------------------------------
-def gptq_checkpoint(foak_args, model_config: dict | None) -> dict | None:
-    """The ``quantization_config`` of a ``--model`` whose config.json says ``quant_method: gptq`` (None for any
-    other model). A GPTQ base is frozen 4-bit: only ``--peft lora`` can train it (ValueError otherwise)."""
-    if foak_args.model is None or not isinstance(model_config, dict):
-        return None
-    qc = model_config.get("quantization_config")
-    if not isinstance(qc, dict) or str(qc.get("quant_method", "")).lower() != "gptq":
-        return None
-    if foak_args.peft == "none":
-        raise ValueError(
-            f"--model {foak_args.model} is a GPTQ 4-bit checkpoint: its quantized weights are frozen, so it "
-            "cannot be fully fine-tuned; pass --peft lora to train LoRA adapters on it")
-    if foak_args.peft == "qlora-nf4":
-        raise ValueError(
-            f"--model {foak_args.model} is a GPTQ 4-bit checkpoint, already quantized: --peft qlora-nf4 would "
-            "quantize a dense model with bitsandbytes NF4; pass --peft lora to train LoRA adapters on the GPTQ "
-            "base")
-    return qc
-
-
 def _load_kwargs(foak_args, training_args) -> dict:
     """from_pretrained's dtype and, for --peft qlora-nf4, the NF4 BitsAndBytesConfig (compute dtype: the
     autocast dtype, else the weights')."""
@@ -400,7 +192,8 @@ def _load_kwargs(foak_args, training_args) -> dict:
         try:
             import bitsandbytes  # noqa: F401
         except ImportError:
-            raise ValueError("--peft qlora-nf4 needs bitsandbytes: pip install 'foak[qlora]'") from None
+            raise ValueError("--peft qlora-nf4 needs bitsandbytes: pip install bitsandbytes"
+                             " (foak's train extra has it)") from None
         kwargs["quantization_config"] = transformers.BitsAndBytesConfig(
             load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
             bnb_4bit_compute_dtype=_autocast_dtype(training_args) or dtype)
@@ -528,7 +321,7 @@ def apply_peft(model, foak_args, gradient_checkpointing: bool = False):
     try:
         import peft
     except ImportError:
-        raise ValueError(f"--peft {foak_args.peft} needs peft: pip install 'foak[train]'") from None
+        raise ValueError(f"--peft {foak_args.peft} needs peft: pip install peft (foak's train extra has it)") from None
 
     if foak_args.peft == "qlora-nf4":
         model = peft.prepare_model_for_kbit_training(
@@ -545,7 +338,6 @@ def apply_peft(model, foak_args, gradient_checkpointing: bool = False):
 
 
 # ---- the acceleration config --------------------------------------------------------------------------------
-LONG_CONTEXT_SWITCHES = ("offload_activations", "tiled_mlp")
 EMBEDDED_MAX_SEQ_LENGTH = 128
 MAX_SEQ_LENGTH_CAP = 4096  # the default's cap: a longer context is a choice (--max_seq_length, --long_context)
 
@@ -564,13 +356,6 @@ def default_max_seq_length(model, tokenizer, long_context: bool) -> tuple[int, s
                                 "--max_seq_length for more")
 
 
-def long_context_switches() -> list[str]:
-    """The switches --long_context adds that this foak has."""
-    from foak.config import AccelerationConfig
-
-    return [s for s in LONG_CONTEXT_SWITCHES if s in AccelerationConfig.model_fields]
-
-
 def with_long_context(config):
     """``config`` (foak's default for the model) plus :data:`LONG_CONTEXT_SWITCHES`."""
     from foak.config import config_from_kwargs
@@ -578,48 +363,6 @@ def with_long_context(config):
     switches = {s: True for s in type(config).model_fields if getattr(config, s) is True}
     switches.update({s: True for s in long_context_switches()})
     return config_from_kwargs("peft" if config.mode == "peft" else "full", **switches)
-
-
-def resolve_config(foak_args):
-    """What to patch with: None (no foak: ``--acceleration_config none``), "default" (every switch foak has
-    for the model, :func:`foak.patching.default_config`, chosen once the model is built) or the YAML's
-    AccelerationConfig, whose stanza must match --peft."""
-    from foak.config import FULL_STANZA, PEFT_STANZA, load_config
-
-    given = foak_args.acceleration_config
-    if given == "none":
-        return None
-    if given is None:
-        return "default"
-    config = load_config(given)
-    # the stanza says full fine-tuning or PEFT: it must be the run's (foak.patch would take a training stanza
-    # on a PEFT model, leave its LoRA layers unfused and check the precision as for full fine-tuning)
-    if foak_args.peft != "none" and config.mode == "full":
-        raise ValueError(
-            f"--peft {foak_args.peft} with --acceleration_config {given}: its {FULL_STANZA} stanza is for full "
-            f"fine-tuning, where foak's fused LoRA (fused_lora) does not exist. For a LoRA/QLoRA run put the "
-            f"switches under {PEFT_STANZA} and add fused_lora: true (fused_lora: false keeps PEFT's own LoRA "
-            "forward), or leave --acceleration_config out for the default (fused_lora and every kernel)"
-        )
-    if foak_args.peft == "none" and config.mode == "peft":
-        raise ValueError(
-            f"--acceleration_config {given} has the {PEFT_STANZA} stanza (LoRA/QLoRA) but --peft is none (full "
-            f"fine-tuning): pass --peft lora or --peft qlora-nf4, or put the switches under {FULL_STANZA} "
-            "(without fused_lora and base_layer)"
-        )
-    return config
-
-
-def check_architecture(model_type: str | None, foak_args) -> None:
-    """foak's kernels need an architecture foak has rules for: otherwise say how to train without them."""
-    from foak.models import ARCHITECTURES, served_model_type
-
-    if served_model_type(model_type) not in ARCHITECTURES:
-        raise ValueError(
-            f"--model {foak_args.model}: foak has no kernels for model_type {model_type!r} (supported: "
-            f"{', '.join(sorted(ARCHITECTURES))}); pass --acceleration_config none to train it without foak's "
-            "kernels (the baseline)"
-        )
 
 
 def fused_lora_calls(report) -> dict | None:
@@ -757,19 +500,23 @@ def _run_title(foak_args, training_args, source, config) -> str:
     return f"foak train: {model}, {mode}, {precision}\n{kernels}"
 
 
-def train(argv: list[str]) -> dict:
+def train(argv: list[str], checked: CheckedRun | None = None) -> dict:
     """Run ``foak train`` with command-line ``argv``; returns the summary dict (with ``patch_report``, the
     report's text after training, and ``fused_lora``, see :func:`fused_lora_calls`, both None without foak;
     ``log_history``, the Trainer's; ``first_loss``, step 1's own loss; ``final_loss``, the last logged one;
     ``gradient_checkpointing``, whether the trained model checkpointed its layers; ``model``, the trained
     model, patched, not in ``train_summary.json``). User errors are ValueErrors (the CLI prints them as one
-    line)."""
+    line). ``checked``: what :func:`foak.train_cli.check_arguments` found for ``argv`` (the CLI runs it before
+    importing this module); checked here when not given."""
+    # everything the user gave that can be checked without transformers: before it is imported
+    checked = checked or check_arguments(argv)
+    foak_args, source, gptq, config = checked.foak_args, checked.source, checked.gptq, checked.config
     import transformers
 
     import foak
     from foak.backend import describe
 
-    foak_args, training_args = parse_arguments(argv)
+    training_args = parse_training_arguments(argv, foak_args)
     setup_logging(training_args.log_level)
     # seeded before the model and any adapter are built (the Trainer seeds again when it is constructed)
     if training_args.full_determinism:
@@ -778,16 +525,7 @@ def train(argv: list[str]) -> dict:
         transformers.set_seed(training_args.seed)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     backend = describe(device)
-    # everything the user gave is checked before the model is built and any data is read
-    source = None
-    if foak_args.model is not None:
-        from foak.model_source import resolve_model
-
-        source = resolve_model(foak_args.model)
-    gptq = gptq_checkpoint(foak_args, None if source is None else source.config)  # a GPTQ --model needs lora
-    config = resolve_config(foak_args)
-    if config is not None:
-        check_architecture((foak_args.arch or "llama") if source is None else source.model_type, foak_args)
+    # the rest of what the user gave is checked before the model is built and any data is read
     check_run_precision(foak_args, training_args, gptq)
     if training_args.fp16 and device.type == "cpu":
         raise ValueError("--fp16 needs a CUDA GPU: on CPU accelerate runs neither fp16 autocast nor a GradScaler, "

@@ -105,7 +105,8 @@ def quantize_nf4(model, device, compute_dtype=torch.bfloat16):
     try:
         import bitsandbytes as bnb
     except ImportError:
-        raise ValueError("peft qlora-nf4 needs bitsandbytes: pip install 'foak[qlora]'") from None
+        raise ValueError("peft qlora-nf4 needs bitsandbytes: pip install bitsandbytes"
+                         " (foak's train extra has it)") from None
     from torch import nn
 
     device = torch.device(device)
@@ -157,7 +158,7 @@ def apply_peft(model, exp: dict, device: torch.device) -> tuple:
     try:
         import peft
     except ImportError:
-        raise ValueError(f"peft {exp['peft']} needs peft: pip install 'foak[train]'") from None
+        raise ValueError(f"peft {exp['peft']} needs peft: pip install peft (foak's train extra has it)") from None
     lora_config = peft.LoraConfig(r=exp["lora_r"], lora_alpha=exp["lora_alpha"], lora_dropout=exp["lora_dropout"],
                                   target_modules=list(exp["target_modules"]))
     if exp["peft"] == "gptq-lora":

@@ -135,3 +135,10 @@ def _note_bitsandbytes_cpu(model, report: PatchReport) -> None:
 
 
 __all__ = ["PatchReport", "Rule", "RuleResult", "Trigger", "apply", "default_config", "is_patched", "patch", "restore"]
+
+# foak's server for TRL's fused LM head registers itself with the fused_linear_loss rule (FUSED_HEAD_HOOKS):
+# imported with the patching package (last, it imports foak.patching.replacements), so every way of patching
+# has it, while `import foak` alone stays light
+import foak.integrations.trl  # noqa: E402,F401
+
+import foak.integrations.trl_distill  # noqa: E402,F401  (and for TRL's distillation loss)

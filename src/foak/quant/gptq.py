@@ -508,7 +508,7 @@ def _load_adapter(model: nn.Module, adapter: str, is_trainable: bool, adapter_na
     try:
         from peft import LoraConfig, PeftConfig, PeftModel
     except ImportError:
-        raise ValueError("load_gptq(adapter=...) needs peft: pip install 'foak[train]'") from None
+        raise ValueError("load_gptq(adapter=...) needs peft: pip install peft (foak's train extra has it)") from None
     from foak.quant.gptq_peft import register_gptq_lora
 
     peft_type = str(PeftConfig.from_pretrained(adapter).peft_type).rsplit(".", 1)[-1]
