@@ -33,7 +33,7 @@ loss is. Rank 0 writes it to ``train_summary.json`` in the output directory, bes
 ``trainer_state.json``.
 
 Under ``torchrun`` or ``accelerate launch`` (DDP, or FSDP2 through accelerate's FSDP plugin or ``--fsdp
---fsdp_config``; README: Several GPUs) every rank builds and patches its own model before the Trainer wraps
+--fsdp_config``; docs/distributed.md) every rank builds and patches its own model before the Trainer wraps
 it; rank 0 alone logs the patch report and the summary, whose token counts are all ranks' together."""
 
 from __future__ import annotations
@@ -113,7 +113,7 @@ class FoakArguments:
         "help": "names of the linear layers that get LoRA adapters (by default qkv_proj / gate_up_proj in place of "
                 "q/k/v_proj / gate/up_proj where the model fuses them, as Phi-3)"})
     acceleration_config: str | None = field(default=None, metadata={
-        "help": "foak YAML (README: Patching a model); its stanza must match --peft. none: no foak kernels "
+        "help": "foak YAML (docs/configuration.md); its stanza must match --peft. none: no foak kernels "
                 "(the baseline). Default: every kernel foak has for the model's architecture"})
     torch_dtype: str | None = field(default=None, metadata={
         "help": "float32 | bfloat16 | float16: the dtype the weights are loaded in. Default float32, so --bf16 "
