@@ -113,7 +113,7 @@ class FoakArguments:
         "help": "names of the linear layers that get LoRA adapters (by default qkv_proj / gate_up_proj in place of "
                 "q/k/v_proj / gate/up_proj where the model fuses them, as Phi-3)"})
     acceleration_config: str | None = field(default=None, metadata={
-        "help": "foak YAML (docs/configuration.md); its stanza must match --peft. none: no foak kernels "
+        "help": "foak YAML (README: Patching a model); its stanza must match --peft. none: no foak kernels "
                 "(the baseline). Default: every kernel foak has for the model's architecture"})
     torch_dtype: str | None = field(default=None, metadata={
         "help": "float32 | bfloat16 | float16: the dtype the weights are loaded in. Default float32, so --bf16 "
