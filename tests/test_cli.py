@@ -1,7 +1,7 @@
 """The ``foak`` command line as a user meets it (issue 13): kernels on by default, both spellings of every
 argument with foak's defaults never overriding the user's, HF's precision flags, one-line errors (exit code 2),
 hub ids, reproducible runs, exact summaries, ``foak --version``, ``foak verify`` refusing an empty PASS, the
-README's examples as written, LICENSE / extras / README references.
+docs' examples as written (docs/train.md, docs/lora.md), LICENSE / extras.
 
 Training runs here force foak's reference backend (``reference`` fixture): these tests are about the command
 line, and the kernels' numerics are tested elsewhere (in the interpreter); a patched run is still compared
@@ -388,8 +388,8 @@ def test_version_verify_refusals_and_the_bitsandbytes_cpu_warning(monkeypatch, c
     assert [r.getMessage() for r in caplog.records if r.name == bnb.name] == ["another bitsandbytes warning"]
 
 
-# ---- 6/7. LICENSE, extras, README ---------------------------------------------------------------------------
-def test_license_extras_and_readme_references():
+# ---- 6/7. LICENSE, extras (the files the README and docs/ name: tests/test_docs.py) ---------------------------
+def test_license_and_extras():
     import tomllib
 
     license_text = (REPO / "LICENSE").read_text()
@@ -400,42 +400,19 @@ def test_license_extras_and_readme_references():
     for extra in ("train", "qlora"):
         names = {re.split(r"[<>=; ]", r)[0] for r in project["optional-dependencies"][extra]}
         assert {"accelerate", "peft", "bitsandbytes"} <= names, extra
-    # every file the README names exists in the repo (brace and <placeholder>* patterns expanded); the names a
-    # user's run writes or reads are not repo files
-    readme = (REPO / "README.md").read_text()
-    files = subprocess.run(["git", "ls-files"], cwd=REPO, capture_output=True, text=True, check=True).stdout.split()
-    files += [p.name for p in REPO.iterdir()]
-    user_files = {"config.json", "foak.yaml", "loss_curve.png", "data.jsonl", "pairs.jsonl", "train_summary.json",
-                  "trainer_state.json", "foak_gptq_base.json"}
-    missing = []
-    for token in set(re.findall(r"[\w./<>*{},-]+\.(?:md|py|json|jsonl|png|log|yaml|txt|toml)\b", readme)):
-        if token in user_files:
-            continue
-        for name in _expand_braces(token):
-            pattern = re.escape(name).replace(r"\*", ".*")
-            pattern = re.sub(r"<[^>]*>", ".*", pattern.replace(r"\<", "<").replace(r"\>", ">"))
-            if not any(re.fullmatch(f"(.*/)?{pattern}", f) for f in files):
-                missing.append(name)
-    assert not missing, f"the README names files that are not in the repo: {sorted(missing)}"
 
 
-def _expand_braces(token: str) -> list[str]:
-    match = re.search(r"\{([^{}]*)\}", token)
-    if not match:
-        return [token]
-    return [x for option in match.group(1).split(",")
-            for x in _expand_braces(token[:match.start()] + option + token[match.end():])]
+def _doc_block(page: str, heading: str, language: str) -> str:
+    """The first ```language block (its info string may go on, e.g. "yaml runnable") under ``## heading`` of a
+    docs page."""
+    text = (REPO / page).read_text()
+    section = text.split(f"\n## {heading}\n", 1)[1]
+    return section.split(f"```{language}", 1)[1].split("\n", 1)[1].split("```", 1)[0]
 
 
-def _readme_block(heading: str, language: str) -> str:
-    readme = (REPO / "README.md").read_text()
-    section = readme.split(f"\n## {heading}\n", 1)[1]
-    return section.split(f"```{language}\n", 1)[1].split("```", 1)[0]
-
-
-def test_the_readmes_gptq_recipe_trains_and_reloads_the_adapter(tmp_path, monkeypatch, reference):
-    """The README's GPTQ block as written, in a directory holding ./my-llama and data.jsonl; only the train call
-    gets --max_steps 2 and a larger learning rate (so that two steps move the adapter visibly)."""
+def test_the_docs_gptq_recipe_trains_and_reloads_the_adapter(tmp_path, monkeypatch, reference):
+    """The GPTQ block of docs/lora.md as written, in a directory holding ./my-llama and data.jsonl; only the train
+    call gets --max_steps 2 and a larger learning rate (so that two steps move the adapter visibly)."""
     import foak.train as foak_train
 
     _save_tiny(tmp_path / "my-llama")
@@ -445,10 +422,10 @@ def test_the_readmes_gptq_recipe_trains_and_reloads_the_adapter(tmp_path, monkey
     real_train = foak_train.train
     monkeypatch.setattr(foak_train, "train", lambda argv: summaries.append(
         real_train([*argv, "--max_steps", "2", "--learning_rate", "1e-2"])) or summaries[-1])
-    readme = (REPO / "README.md").read_text()
-    block = readme.split("\nLoRA on a GPTQ 4-bit checkpoint,", 1)[1].split("```python\n", 1)[1].split("```", 1)[0]
+    page = (REPO / "docs" / "lora.md").read_text()
+    block = page.split("\nLoRA on a GPTQ 4-bit checkpoint,", 1)[1].split("```python\n", 1)[1].split("```", 1)[0]
     namespace = {}
-    exec(compile(block, "README.md (GPTQ block)", "exec"), namespace)
+    exec(compile(block, "docs/lora.md (GPTQ block)", "exec"), namespace)
     assert (tmp_path / "my-llama-gptq" / "tokenizer.json").is_file()  # save_gptq wrote the tokenizer
     assert len(summaries) == 1 and summaries[0]["steps"] == 2
     trained, model, trainable = summaries[0]["model"].eval(), namespace["model"], namespace["trainable"]
@@ -474,17 +451,18 @@ def test_the_readmes_gptq_recipe_trains_and_reloads_the_adapter(tmp_path, monkey
     assert (explicit.float() - expected).abs().max() <= 3e-2 * expected.abs().max()  # bf16
 
 
-def test_the_readmes_training_examples_run_as_written(tmp_path, monkeypatch, capsys, reference):
-    """The commands of the README's Training block, in a directory holding what they name (./my-llama, data.jsonl,
-    pairs.jsonl, and foak.yaml taken from the README's YAML block); only --max_steps 2 is appended."""
+def test_the_docs_training_examples_run_as_written(tmp_path, monkeypatch, capsys, reference):
+    """The commands of docs/train.md's Examples block, in a directory holding what they name (./my-llama,
+    data.jsonl, pairs.jsonl, and foak.yaml: the training stanza of docs/configuration.md); only --max_steps 2 is
+    appended."""
     _save_tiny(tmp_path / "my-llama")
     (tmp_path / "data.jsonl").write_text("".join(json.dumps({"text": f"{LINE} {i}"}) + "\n" for i in range(16)))
     (tmp_path / "pairs.jsonl").write_text("".join(json.dumps({"prompt": "q: the cat", "response": " sees."}) + "\n"
                                                   for _ in range(16)))
-    (tmp_path / "foak.yaml").write_text(_readme_block("Patching a model", "yaml"))
+    (tmp_path / "foak.yaml").write_text(_doc_block("docs/configuration.md", "Where the switches come from", "yaml"))
     monkeypatch.chdir(tmp_path)
-    commands = [shlex.split(line, comments=True) for line in _readme_block("Training", "bash").replace("\\\n", " ")
-                .splitlines()]
+    block = _doc_block("docs/train.md", "Examples", "bash")
+    commands = [shlex.split(line, comments=True) for line in block.replace("\\\n", " ").splitlines()]
     commands = [c for c in commands if c]
     assert len(commands) >= 2 and all(c[:2] == ["foak", "train"] for c in commands), commands
     for command in commands:

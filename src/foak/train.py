@@ -33,7 +33,7 @@ loss is. Rank 0 writes it to ``train_summary.json`` in the output directory, bes
 ``trainer_state.json``.
 
 Under ``torchrun`` or ``accelerate launch`` (DDP, or FSDP2 through accelerate's FSDP plugin or ``--fsdp
---fsdp_config``; README: Several GPUs) every rank builds and patches its own model before the Trainer wraps
+--fsdp_config``; docs/distributed.md) every rank builds and patches its own model before the Trainer wraps
 it; rank 0 alone logs the patch report and the summary, whose token counts are all ranks' together."""
 
 from __future__ import annotations

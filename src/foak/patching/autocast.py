@@ -7,7 +7,7 @@ the backward, where each gradient is cast back to fp32 and the three are summed 
 and MLP rules hand their projections the input cast once instead: the projections compute exactly the
 same values (the cast is the one autocast would make), one copy is saved instead of three or two, and the
 backward casts one summed gradient back (the projections' input gradients are then summed in the autocast
-dtype, as they are for bf16 weights, rather than in fp32). Measured on the H200: see the README.
+dtype, as they are for bf16 weights, rather than in fp32). Measured on the H200: docs/bench.md (the autocast row).
 
 That holds only for projections whose first operation on the input is autocast's cast and whose result
 does not depend on the input's dtype otherwise: a plain ``nn.Linear``, or PEFT's ``lora.Linear`` over one.
