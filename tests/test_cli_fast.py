@@ -62,8 +62,8 @@ def test_import_foak_is_light_and_its_public_names_and_submodules_still_resolve(
                                       "patch", "restore", "rms_norm", "rope", "set_backend", "swiglu"])
     assert out["patch"] and out["rms_norm"] and out["set_backend"] and out["dir"]
     assert out["submodule"] == "foak.ops.rms_norm"
-    # importing foak.patching (as foak.patch does) registers the TRL fused-head server exactly once
-    assert out["trl_hook"] == ["foak.integrations.trl"]
+    # importing foak.patching (as foak.patch does) registers the TRL servers (fused head, distillation loss) once
+    assert out["trl_hook"] == ["foak.integrations.trl", "foak.integrations.trl_distill"]
     assert out["missing"] == "module 'foak' has no attribute 'no_such_name'"
 
 
