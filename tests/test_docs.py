@@ -82,7 +82,7 @@ def test_yaml_block_is_a_valid_config(page, line, body):
 
 def _slug(heading: str) -> str:
     """GitHub's anchor of a markdown heading."""
-    text = re.sub(r"[`*_]|\[([^\]]*)\]\([^)]*\)", r"\1", heading.strip()).lower()
+    text = re.sub(r"[`*]|\[([^\]]*)\]\([^)]*\)", r"\1", heading.strip()).lower()  # (GitHub keeps "_")
     return re.sub(r"[^\w\- ]", "", text).replace(" ", "-")
 
 
@@ -97,6 +97,7 @@ def test_slug_matches_github():
     assert _slug("Measurements (H200)") == "measurements-h200"
     assert _slug("`foak train`") == "foak-train"
     assert _slug("torch.compile") == "torchcompile"
+    assert _slug("`offload_activations`") == "offload_activations"
     assert _slug("Several GPUs: DDP and FSDP2") == "several-gpus-ddp-and-fsdp2"
 
 
