@@ -1,0 +1,172 @@
+"""foak under TRL's preference and RL trainers: DPO, GRPO (a stub reward, completions from ``generate``), RLOO
+and KTO, two optimizer steps each on a tiny Llama (fp32, CPU, foak's torch reference ops), foak-patched policy and
+reference model vs the same trainer without foak.
+
+Every one of these trainers scores its policy and its reference model through TRL's fused LM head
+(``trl.trainer.utils.add_fused_lm_head``), which foak serves (foak/integrations/trl.py). Each test counts the calls
+of TRL's own kernel (``ChunkedLogProbFunction.forward``, whoever calls it: 0 with foak) and the calls foak served
+(the fused_linear_loss rows of the policy's and the reference model's PatchReports), and compares every metric the
+trainer logged at both steps (loss, rewards, log-probs, KL, entropy, grad_norm, ...) with the run without foak.
+
+The reference model is the trainer's own (TRL loads it from the policy's directory: the tiny model is saved once);
+foak patches it with ``foak.patch(trainer.ref_model)`` after the trainer is built, and the policy before."""
+
+import gc
+import math
+import re
+
+import datasets  # pinned in requirements-test.txt with trl: a missing install fails, never skips
+import peft
+import pytest
+import torch
+import transformers
+import trl
+from trl.kernels.chunked_logprob import ChunkedLogProbFunction
+
+import foak
+from foak.data import char_tokenizer
+from foak.models.tiny import tiny_model
+from foak.patching import is_patched
+
+KERNELS = {"fast_rms_layernorm": True, "fast_rope_embeddings": True, "fast_swiglu": True,
+           "fused_linear_loss": True}
+# wall-clock metrics, never equal between two runs
+TIMINGS = {"step_time", "train_runtime", "train_samples_per_second", "train_steps_per_second"}
+RTOL, ATOL = 1e-5, 1e-6  # fp32; ATOL for metrics that are differences of log-probs (rewards, KL, margins)
+SERVED = re.compile(r"served TRL's fused LM head \((\d+) calls?\)")
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory):
+    """The tiny Llama and its tokenizer saved once: TRL builds the reference model from the policy's path."""
+    path = tmp_path_factory.mktemp("tiny_llama_rl")
+    tiny_model("llama").save_pretrained(path)
+    char_tokenizer().save_pretrained(path)
+    return path
+
+
+@pytest.fixture
+def trl_calls(monkeypatch):
+    """Counts the forwards of TRL's own ChunkedLogProbFunction (every caller: TRL's head, foak's fallbacks)."""
+    counts = [0]
+    forward = ChunkedLogProbFunction.forward
+
+    def counting(*args, **kwargs):
+        counts[0] += 1
+        return forward(*args, **kwargs)
+
+    monkeypatch.setattr(ChunkedLogProbFunction, "forward", staticmethod(counting))
+    return counts
+
+
+def _reward(completions, **kwargs):
+    """A stub reward with spread inside each group of completions: more vowels, fewer characters."""
+    return [sum(c in "aeiou" for c in text) - 0.1 * len(text) for text in completions]
+
+
+COMMON = dict(max_steps=2, learning_rate=0.1, optim="sgd", lr_scheduler_type="constant", report_to="none",
+              save_strategy="no", logging_steps=1, bf16=False, seed=3)
+
+
+def _trainer(name, tiny_dir, out_dir, lora=False):
+    """The trainer ``name`` on the tiny Llama saved at tiny_dir (dataset, config and reward built here)."""
+    model = transformers.AutoModelForCausalLM.from_pretrained(tiny_dir, dtype=torch.float32)
+    tokenizer = transformers.AutoTokenizer.from_pretrained(tiny_dir)
+    # LoRA: the reference is the policy with its adapter disabled; non-zero B so that it differs at step 1
+    peft_config = peft.LoraConfig(r=4, lora_alpha=8, target_modules="all-linear", lora_dropout=0.0,
+                                  init_lora_weights=False) if lora else None
+    common = dict(output_dir=str(out_dir), **COMMON)
+    if name == "dpo":
+        data = {"prompt": ["the cat ", "1 2 3 "], "chosen": ["sees the ball.", "4 5."],
+                "rejected": ["likes a red box!", "9 9 9 9."]}
+        config = trl.DPOConfig(per_device_train_batch_size=2, dataset_num_proc=None, **common)
+        return model, lambda m: trl.DPOTrainer(model=m, args=config, train_dataset=datasets.Dataset.from_dict(data),
+                                               processing_class=tokenizer, peft_config=peft_config)
+    if name == "kto":
+        data = {"prompt": ["the cat ", "1 2 3 ", "a dog ", "7 8 "],
+                "completion": ["sees the ball.", "4 5.", "is blue 9", "9 9 9."],
+                "label": [True, True, False, False]}
+        config = trl.KTOConfig(per_device_train_batch_size=4, dataset_num_proc=None, **common)
+        return model, lambda m: trl.KTOTrainer(model=m, args=config, train_dataset=datasets.Dataset.from_dict(data),
+                                               processing_class=tokenizer, peft_config=peft_config)
+    # GRPO / RLOO: 2 prompts x 4 completions of 6 sampled tokens, a KL term (a reference model), temperature != 1
+    data = {"prompt": ["the cat ", "1 2 3 "]}
+    rl = dict(per_device_train_batch_size=4, num_generations=4, max_completion_length=6, beta=0.1, temperature=0.9,
+              **common)
+    if name == "grpo":
+        # the entropy bonus differentiates the fused head's entropy
+        config = trl.GRPOConfig(entropy_coef=0.01, **rl)
+        trainer_class = trl.GRPOTrainer
+    else:
+        config = trl.RLOOConfig(**rl)
+        trainer_class = trl.RLOOTrainer
+    return model, lambda m: trainer_class(model=m, reward_funcs=_reward, args=config,
+                                          train_dataset=datasets.Dataset.from_dict(data), processing_class=tokenizer,
+                                          peft_config=peft_config)
+
+
+def _train(name, tiny_dir, out_dir, use_foak, lora=False):
+    """Two steps of trainer ``name``; returns (the logged metrics per step, the trainer, foak's reports)."""
+    model, build = _trainer(name, tiny_dir, out_dir, lora)
+    # LoRA: the trainer adds the adapter after foak.patch; fused_lora fuses it on the first forward
+    reports = [foak.patch(model, **KERNELS, **({"fused_lora": True} if lora else {}))] if use_foak else []
+    trainer = build(model)
+    if use_foak and trainer.ref_model is not None:
+        reports.append(foak.patch(trainer.ref_model, **KERNELS))
+    assert is_patched(trainer.model) == use_foak
+    trainer.train()
+    steps = [entry for entry in trainer.state.log_history if "grad_norm" in entry]
+    assert [entry["step"] for entry in steps] == [1, 2]
+    return steps, trainer, reports
+
+
+def _served(report) -> int:
+    match = SERVED.search(report.result("llama.fused_linear_loss").notes)
+    return int(match.group(1)) if match else 0
+
+
+def _assert_same_metrics(steps, ref_steps):
+    for step, (logged, ref_logged) in enumerate(zip(steps, ref_steps, strict=True), 1):
+        assert logged.keys() == ref_logged.keys()
+        for key, ref_value in ref_logged.items():
+            if key in TIMINGS or not isinstance(ref_value, (int, float)):
+                continue
+            value = logged[key]
+            assert math.isfinite(value), (step, key)
+            assert abs(value - ref_value) <= RTOL * abs(ref_value) + ATOL, (step, key, value, ref_value)
+
+
+# (trainer, fused-head calls foak serves over 2 steps: policy, reference model)
+# DPO: one policy and one reference forward per step over chosen + rejected; KTO: the policy's completions, and the
+# reference model's completions and mismatched (KL) pairs; GRPO / RLOO: one policy forward per step on the sampled
+# completions and one reference forward for the KL term, and RLOO one more no-grad policy forward for the old
+# log-probs (GRPO skips it with one iteration per generation).
+CASES = [("dpo", 2, 2), ("kto", 4, 4), ("grpo", 2, 2), ("rloo", 4, 2)]
+
+
+@pytest.mark.parametrize(("name", "policy_calls", "ref_calls"), CASES)
+def test_trainer_steps_with_foak_match_trl_alone(tmp_path, tiny_dir, trl_calls, reference_ops, name, policy_calls,
+                                                 ref_calls):
+    ref_steps, ref_trainer, _ = _train(name, tiny_dir, tmp_path / "trl", use_foak=False)
+    assert trl_calls[0] == policy_calls + ref_calls  # the counter sees every call TRL's head makes
+    trl_calls[0] = 0
+    steps, trainer, (report, ref_report) = _train(name, tiny_dir, tmp_path / "foak", use_foak=True)
+    assert (_served(report), _served(ref_report)) == (policy_calls, ref_calls)
+    assert trl_calls[0] == 0, report  # foak served every output, gradient and model: TRL's kernel never ran
+    assert "TRL's own kernel" not in report.result("llama.fused_linear_loss").notes
+    _assert_same_metrics(steps, ref_steps)
+    del trainer, ref_trainer
+    gc.collect()
+
+
+def test_dpo_with_a_lora_adapter_and_its_disabled_adapter_as_reference(tmp_path, tiny_dir, trl_calls, reference_ops):
+    # no reference model: TRL scores the reference with the adapter disabled, through the policy's own head
+    ref_steps, _, _ = _train("dpo", tiny_dir, tmp_path / "trl", use_foak=False, lora=True)
+    assert trl_calls[0] == 4
+    trl_calls[0] = 0
+    steps, trainer, (report,) = _train("dpo", tiny_dir, tmp_path / "foak", use_foak=True, lora=True)
+    assert trainer.ref_model is None and isinstance(trainer.model, peft.PeftModel)
+    assert _served(report) == 4 and trl_calls[0] == 0, report  # 2 policy + 2 adapter-disabled forwards
+    assert report.result("llama.fused_lora").modules > 0  # the adapter TRL added ran through foak's LoRA rules
+    assert steps[0]["rewards/margins"] != 0  # init_lora_weights=False: policy and reference differ from step 1
+    _assert_same_metrics(steps, ref_steps)
