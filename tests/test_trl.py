@@ -238,48 +238,43 @@ def test_stand_in_computes_what_trls_kernel_computes(calls, temperature, logit_s
     assert report.result("llama.fused_linear_loss").notes == "served TRL's fused LM head (1 call)"
 
 
-def test_stand_in_takes_a_differentiated_entropy_from_trls_kernel_and_says_so(calls):
+def test_stand_in_differentiates_the_entropy_itself(calls):
+    # SFT's request (is_top1) runs linear_cross_entropy, whose entropy has no gradient: a caller that
+    # differentiates it gets the gradient from foak's linear_log_probs, never from TRL's kernel
     model, report, weight = _patched_head()
     hidden, b, targets = _inputs(weight)
     row_grad, entropy_grad = torch.full((N,), 1 / N), torch.linspace(-1, 1, N)
     out = _run(trl_utils._ChunkedLogProbFunction, hidden, weight, None, targets, row_grad, entropy_grad=entropy_grad)
-    assert calls == {"foak": 1, "trl": 1}  # TRL's kernel ran once, in the backward, for the entropy gradient
+    assert calls == {"foak": 1, "trl": 0}
     ref = _run(ChunkedLogProbFunction, hidden, weight, None, targets, row_grad, entropy_grad=entropy_grad)
     for got, want in zip(out[3:], ref[3:]):
         assert relative_error(got, want) < 1e-5
-    assert report.result("llama.fused_linear_loss").notes == (
-        "served TRL's fused LM head (1 call); TRL's own kernel ran 1 call: the entropy was differentiated "
-        "(e.g. an entropy bonus): its gradient comes from TRL's kernel (foak's entropy has none)")
+    assert report.result("llama.fused_linear_loss").notes == "served TRL's fused LM head (1 call)"
 
 
 def test_stand_in_hands_what_foak_cannot_compute_to_trl_and_reports_it(calls, monkeypatch):
     model, report, weight = _patched_head()
     hidden, _, targets = _inputs(weight)
     stand_in = trl_utils._ChunkedLogProbFunction
-    with pytest.warns(UserWarning, match="mean_logits"):
-        _run(stand_in, hidden, weight, None, targets, 1.0, outputs=("log_probs", "mean_logits"))
-    _run(stand_in, hidden, weight, None, targets, 1.0, outputs=("log_probs", "mean_logits"))
-    _run(stand_in, hidden, weight, None, targets, 1.0, softcap=30.0, temperature=0.5)
-    stand_in.apply(hidden[:0], weight, None, targets[:0], 1.0, 32768, None, 1.0, ("log_probs",))
+    with pytest.warns(UserWarning, match="'bogus'"):
+        _run(stand_in, hidden, weight, None, targets, 1.0, outputs=("log_probs", "bogus"))
     weight.ds_id = 7  # how DeepSpeed ZeRO-3 marks a partitioned parameter
     _run(stand_in, hidden, weight, None, targets, 1.0)
     del weight.ds_id
-    # FSDP2: TRL passes lm_head.weight.full_tensor(), a new tensor, for a DTensor weight
+    # FSDP2: TRL passes lm_head.weight.full_tensor(), a new tensor, for a DTensor weight (here without a graph
+    # back to the parameter, as for a frozen head)
     with monkeypatch.context() as m:
         m.setattr("foak.integrations.trl._sharded", lambda w: w is weight)
         _run(stand_in, hidden, weight.detach().clone().requires_grad_(), None, targets, 1.0)
     other = tiny_model("llama").lm_head.weight  # a model foak did not patch: TRL's kernel, nothing reported
     _run(stand_in, hidden, other, None, targets, 1.0)
-    assert calls == {"foak": 0, "trl": 7}
+    assert calls == {"foak": 0, "trl": 4}
     assert report.result("llama.fused_linear_loss").notes.split("; ") == [
-        "TRL's own kernel ran 2 calls: outputs ['mean_logits'] requested (foak computes ['entropy', 'is_top1', "
-        "'log_probs'])",
-        "TRL's own kernel ran 1 call: final-logit softcap with temperature != 1 (TRL divides by the temperature "
-        "after the softcap)",
-        "TRL's own kernel ran 1 call: a micro-batch with no scored token",
+        "TRL's own kernel ran 1 call: outputs ['bogus'] requested (foak computes ['log_probs', 'entropy', "
+        "'log_sum_sq_probs', 'mean_logits', 'is_top1'])",
         "TRL's own kernel ran 1 call: lm_head partitioned by DeepSpeed ZeRO-3 (TRL re-gathers it in its backward)",
-        "TRL's own kernel ran 1 call: lm_head sharded as a DTensor (FSDP2): TRL gathers it and scores with its own "
-        "kernel, which foak cannot tell from another model's head"]
+        "TRL's own kernel ran 1 call: lm_head sharded as a DTensor (FSDP2) and gathered without a gradient (a "
+        "frozen head or a no-grad forward): foak cannot tell TRL's gathered copy from another model's head"]
 
 
 def test_stand_in_is_installed_while_a_patched_model_exists_and_restored_after():

@@ -1,23 +1,37 @@
-"""TRL's fused LM head served by foak's linear_cross_entropy.
+"""TRL's fused LM head served by foak's linear_log_probs and linear_cross_entropy.
 
-TRL's trainers (SFT, DPO, GRPO, ... in TRL 1.x) replace the model's forward with a fused LM head
+TRL's trainers (SFT, DPO, GRPO, RLOO, KTO in TRL 1.x) replace the model's forward with a fused LM head
 (``trl.trainer.utils.add_fused_lm_head``): called with ``fused_lm_head=True`` it runs the backbone and
 scores the next-token labels itself, through the module global
 ``trl.trainer.utils._ChunkedLogProbFunction.apply(hidden, weight, bias, targets, temperature, chunk_size,
 final_logit_softcapping, logit_scale, outputs)``, which returns per-token ``(log_probs, entropy,
-log_sum_sq_probs, mean_logits, is_top1)`` of ``z = softcap(logits * logit_scale) / temperature``. The causal
-LM's own forward, lm_head and loss_function never run, so foak's fused_linear_loss rule would not act.
+log_sum_sq_probs, mean_logits, is_top1)`` of ``z = softcap(logits * logit_scale) / temperature`` (the
+outputs not requested are None; log_probs and entropy are differentiable). The causal LM's own forward,
+lm_head and loss_function never run, so foak's fused_linear_loss rule would not act.
 
-While a model patched with fused_linear_loss is alive, that global is a stand-in which computes the request
-with foak's ``linear_cross_entropy`` when ``weight`` is the lm_head weight of such a model and foak can
-express it, and hands it to TRL's own function otherwise, writing why into the rule's report row (and
-warning once). A model foak did not patch always gets TRL's function. The global is installed once per
-process (when TRL is imported after foak.patch, by an import hook as trl.trainer.utils loads), ref-counted,
-and restored when the last patched model is restored or garbage-collected.
+While a model patched with fused_linear_loss is alive, that global is a stand-in. When ``weight`` is the
+lm_head weight of such a model it computes every output TRL can request, with TRL's temperature, logit
+scale and softcap, hidden and weight of different dtypes outside autocast (``cast_lm_head_to_fp32``), and
+gradients through log_probs and entropy:
+- SFT's request (``is_top1`` without ``mean_logits``/``log_sum_sq_probs``, no softcap with a temperature
+  != 1) with ``linear_cross_entropy(reduction="none", precompute_row_grad=True)``: SFT's loss is the mean of
+  the log-probs, so its gradient is computed in the forward; an entropy that is differentiated after all gets
+  its gradient from ``linear_log_probs``;
+- every other request (DPO, KTO, GRPO, RLOO, the reference models) with ``linear_log_probs``.
+Under ``torch.no_grad()`` (reference models, PEFT policies with the adapter disabled) neither saves anything
+for a backward. Each served call is counted in the rule's report row ("served TRL's fused LM head (N
+calls)"). foak hands the call to TRL's own function, counting it in that row with the reason (and warning
+once), for an output name foak does not know, a zero or non-finite temperature or logit scale, an lm_head
+partitioned by DeepSpeed ZeRO-3, or one sharded by FSDP2 and gathered without a gradient (a frozen head, a
+no-grad forward: TRL passes a gathered copy foak cannot tell from another model's head; a trained FSDP2 head's
+copy is recognised through its autograd graph and served). A model foak did not patch always gets TRL's function. The global is installed once
+per process (when TRL is imported after foak.patch, by an import hook as trl.trainer.utils loads),
+ref-counted, and restored when the last patched model is restored or garbage-collected.
 """
 
 from __future__ import annotations
 
+import math
 import sys
 import threading
 import warnings
@@ -25,11 +39,10 @@ import weakref
 
 import torch
 
-import foak.ops.linear_cross_entropy as lce  # called through the module (tests count the calls)
+import foak.ops.linear_cross_entropy as lce  # called through the modules (tests count the calls)
+import foak.ops.linear_log_probs as llp
 
 _TRL_UTILS, _GLOBAL = "trl.trainer.utils", "_ChunkedLogProbFunction"
-# what foak computes (TRL's kernel also offers log_sum_sq_probs and mean_logits)
-_SERVED_OUTPUTS = {"log_probs", "entropy", "is_top1"}
 
 _lock = threading.Lock()
 _heads: dict[int, _Head] = {}  # id(_Head) -> _Head, one per patched causal LM
@@ -147,11 +160,33 @@ def _served_head(weight) -> _Head | None:
     for head, module in heads:
         if module is not None and module.weight is weight:
             return head
-    for head, module in heads:  # FSDP2: TRL passes the gathered weight.full_tensor(), not the parameter
-        if module is not None and _sharded(module.weight) and tuple(module.weight.shape) == tuple(weight.shape):
-            head.count_fallback("lm_head sharded as a DTensor (FSDP2): TRL gathers it and scores with its own "
-                               "kernel, which foak cannot tell from another model's head")
+    # FSDP2: TRL passes the gathered weight.full_tensor(), a new tensor. When the head is trained, autograd
+    # links that tensor to the sharded parameter; without a gradient nothing does.
+    sharded = [(head, module) for head, module in heads if module is not None and _sharded(module.weight)
+               and tuple(module.weight.shape) == tuple(weight.shape)]
+    for head, module in sharded:
+        if _gathered_from(weight, module.weight):
+            return head
+    for head, _ in sharded:
+        head.count_fallback("lm_head sharded as a DTensor (FSDP2) and gathered without a gradient (a frozen "
+                            "head or a no-grad forward): foak cannot tell TRL's gathered copy from another "
+                            "model's head")
     return None
+
+
+def _gathered_from(weight, parameter, depth: int = 8) -> bool:
+    """Whether ``weight``'s autograd graph reaches ``parameter`` within ``depth`` steps (DTensor.full_tensor:
+    to_local <- redistribute <- the parameter's AccumulateGrad)."""
+    stack, seen = [(weight.grad_fn, 0)], set()
+    while stack:
+        node, level = stack.pop()
+        if node is None or level > depth or id(node) in seen:
+            continue
+        seen.add(id(node))
+        if getattr(node, "variable", None) is parameter:
+            return True
+        stack.extend((child, level + 1) for child, _ in node.next_functions)
+    return False
 
 
 def _sharded(weight) -> bool:
@@ -160,22 +195,31 @@ def _sharded(weight) -> bool:
 
 def _cannot_serve(hidden, weight, bias, temperature, softcap, logit_scale, outputs) -> str | None:
     """Why foak cannot compute this TRL request (None: it can)."""
-    extra = sorted(set(outputs) - _SERVED_OUTPUTS)
-    if extra:
-        return f"outputs {extra} requested (foak computes {sorted(_SERVED_OUTPUTS)})"
-    if not logit_scale > 0 or not temperature > 0:
-        return f"logit_scale={logit_scale}, temperature={temperature} (foak needs both > 0)"
-    if softcap is not None and temperature != 1:
-        return "final-logit softcap with temperature != 1 (TRL divides by the temperature after the softcap)"
+    unknown = sorted(set(outputs) - set(llp.OUTPUTS))
+    if unknown:
+        return f"outputs {unknown} requested (foak computes {list(llp.OUTPUTS)})"
+    if not (_finite(temperature) and temperature != 0 and _finite(logit_scale)):
+        return f"temperature={temperature}, logit_scale={logit_scale} (foak needs finite values, temperature != 0)"
+    if softcap is not None and not (_finite(softcap) and softcap > 0):
+        return f"final_logit_softcapping={softcap} (foak needs a positive number)"
     if hasattr(weight, "ds_id"):
         return "lm_head partitioned by DeepSpeed ZeRO-3 (TRL re-gathers it in its backward)"
-    if hidden.shape[0] == 0:
-        return "a micro-batch with no scored token"
-    if not torch.is_autocast_enabled(hidden.device.type) and (
-            hidden.dtype != weight.dtype or (bias is not None and bias.dtype != weight.dtype)):
-        return (f"{hidden.dtype} hidden states and a {weight.dtype} lm_head outside autocast "
-                "(cast_lm_head_to_fp32)")
     return None
+
+
+def _finite(value) -> bool:
+    return isinstance(value, (int, float)) and math.isfinite(value)
+
+
+def _sft_request(hidden, weight, bias, temperature, softcap, logit_scale, outputs) -> bool:
+    """A request linear_cross_entropy serves faster: TRL's SFT head (it alone asks for is_top1 without
+    mean_logits), whose loss is the mean of the log-probs, so the gradient can be computed in the forward
+    (precompute_row_grad: 3 GEMM passes instead of 4; if the promise of equal row gradients is broken, the
+    backward recomputes it exactly)."""
+    return ("is_top1" in outputs and set(outputs) <= {"log_probs", "entropy", "is_top1"} and hidden.shape[0] > 0
+            and temperature > 0 and logit_scale > 0 and (softcap is None or temperature == 1)
+            and (torch.is_autocast_enabled(hidden.device.type) or (
+                hidden.dtype == weight.dtype and (bias is None or bias.dtype == weight.dtype))))
 
 
 class _FoakChunkedLogProb:
@@ -195,34 +239,45 @@ class _FoakChunkedLogProb:
         if reason:
             head.count_fallback(reason)
             return self.original.apply(*trl_args)
-        want_accuracy, want_entropy = "is_top1" in outputs, "entropy" in outputs
-        # z = logits * logit_scale / temperature; foak divides the logits by logits_scaling
-        result = lce.linear_cross_entropy(
-            hidden, weight, targets, bias, reduction="none", softcap=final_logit_softcapping,
-            logits_scaling=temperature / logit_scale, return_token_accuracy=want_accuracy,
-            return_entropy=want_entropy, precompute_row_grad=True, chunk_bytes=head.chunk_bytes_for(weight))
-        loss, *extras = result if isinstance(result, tuple) else (result,)
-        accuracy = extras.pop(0) if want_accuracy else None
-        entropy = extras.pop(0) if want_entropy else None
-        if entropy is not None and torch.is_grad_enabled() and any(
-                t is not None and t.requires_grad for t in (hidden, weight, bias)):
-            entropy = _EntropyGradientFromTrl.apply(entropy, hidden, weight, bias, targets, trl_args[4:],
-                                                    self.original, head)
-        is_top1 = accuracy.bool() if accuracy is not None else None
+        options = dict(temperature=temperature, logit_scale=logit_scale, softcap=final_logit_softcapping)
+        if _sft_request(hidden, weight, bias, temperature, final_logit_softcapping, logit_scale, outputs):
+            result = _sft_log_probs(hidden, weight, bias, targets, outputs, options, head)
+        else:
+            wanted = {name: name in outputs for name in llp.OUTPUTS[1:]}
+            result = tuple(llp.linear_log_probs(hidden, weight, targets, bias, **options, **wanted,
+                                                chunk_bytes=head.chunk_bytes_for(weight)))
         head.count_served()
-        return -loss, entropy, None, None, is_top1
+        return result
 
 
-class _EntropyGradientFromTrl(torch.autograd.Function):
-    """foak's entropy has no gradient. This passes it through and, should a caller differentiate it (GRPO's
-    entropy bonus), takes its gradient from TRL's own kernel and says so in the report row. Saving the inputs
-    costs no memory: linear_cross_entropy keeps the same tensors for its own backward."""
+def _sft_log_probs(hidden, weight, bias, targets, outputs, options, head):
+    """TRL's outputs from linear_cross_entropy (z = logits * logit_scale / temperature, before any softcap;
+    foak divides the logits by logits_scaling)."""
+    want_accuracy, want_entropy = "is_top1" in outputs, "entropy" in outputs
+    result = lce.linear_cross_entropy(
+        hidden, weight, targets, bias, reduction="none", softcap=options["softcap"],
+        logits_scaling=options["temperature"] / options["logit_scale"], return_token_accuracy=want_accuracy,
+        return_entropy=want_entropy, precompute_row_grad=True, chunk_bytes=head.chunk_bytes_for(weight))
+    loss, *extras = result if isinstance(result, tuple) else (result,)
+    accuracy = extras.pop(0) if want_accuracy else None
+    entropy = extras.pop(0) if want_entropy else None
+    if entropy is not None and torch.is_grad_enabled() and any(
+            t is not None and t.requires_grad for t in (hidden, weight, bias)):
+        entropy = _EntropyGradient.apply(entropy, hidden, weight, bias, targets, options,
+                                         head.chunk_bytes_for(weight))
+    return -loss, entropy, None, None, accuracy.bool() if accuracy is not None else None
+
+
+class _EntropyGradient(torch.autograd.Function):
+    """linear_cross_entropy's entropy has no gradient. This passes it through and, should a caller
+    differentiate it (an entropy bonus), computes its gradient with linear_log_probs. Saving the inputs costs
+    no memory: linear_cross_entropy keeps the same tensors for its own backward."""
 
     @staticmethod
-    def forward(ctx, entropy, hidden, weight, bias, targets, trl_args, original, head):
+    def forward(ctx, entropy, hidden, weight, bias, targets, options, chunk_bytes):
         ctx.set_materialize_grads(False)
         ctx.save_for_backward(hidden, weight, bias, targets)
-        ctx.trl_args, ctx.original, ctx.head = trl_args, original, head
+        ctx.options, ctx.chunk_bytes = options, chunk_bytes
         device = hidden.device.type
         ctx.autocast = (device, torch.get_autocast_dtype(device), torch.is_autocast_enabled(device))
         return entropy.clone()
@@ -230,21 +285,18 @@ class _EntropyGradientFromTrl(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_entropy):
         if grad_entropy is None:
-            return (None,) * 8
-        ctx.head.count_fallback("the entropy was differentiated (e.g. an entropy bonus): its gradient comes "
-                                "from TRL's kernel (foak's entropy has none)")
+            return (None,) * 7
         hidden, weight, bias, targets = ctx.saved_tensors
-        temperature, chunk_size, softcap, logit_scale, _ = ctx.trl_args
         inputs = [t.detach().requires_grad_(need) if t is not None else None
                   for t, need in zip((hidden, weight, bias), ctx.needs_input_grad[1:4])]
         device, dtype, enabled = ctx.autocast
         with torch.enable_grad(), torch.autocast(device, dtype=dtype, enabled=enabled):
-            _, entropy, *_ = ctx.original.apply(*inputs, targets, temperature, chunk_size, softcap, logit_scale,
-                                                ("entropy",))
+            entropy = llp.linear_log_probs(*inputs[:2], targets, inputs[2], **ctx.options, entropy=True,
+                                           chunk_bytes=ctx.chunk_bytes).entropy
         wanted = [t for t in inputs if t is not None and t.requires_grad]
         grads = iter(torch.autograd.grad(entropy, wanted, grad_entropy))
         dh, dw, db = (next(grads) if t is not None and t.requires_grad else None for t in inputs)
-        return None, dh, dw, db, None, None, None, None
+        return None, dh, dw, db, None, None, None
 
 
 # the fused_linear_loss rule calls serve_trl_fused_head for every causal LM it patches
