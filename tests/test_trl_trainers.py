@@ -68,14 +68,15 @@ COMMON = dict(max_steps=2, learning_rate=0.1, optim="sgd", lr_scheduler_type="co
               save_strategy="no", logging_steps=1, bf16=False, seed=3)
 
 
-def _trainer(name, tiny_dir, out_dir, lora=False):
-    """The trainer ``name`` on the tiny Llama saved at tiny_dir (dataset, config and reward built here)."""
+def _trainer(name, tiny_dir, out_dir, lora=False, **overrides):
+    """The trainer ``name`` on the tiny Llama saved at tiny_dir (dataset, config and reward built here);
+    ``overrides``: config fields."""
     model = transformers.AutoModelForCausalLM.from_pretrained(tiny_dir, dtype=torch.float32)
     tokenizer = transformers.AutoTokenizer.from_pretrained(tiny_dir)
     # LoRA: the reference is the policy with its adapter disabled; non-zero B so that it differs at step 1
     peft_config = peft.LoraConfig(r=4, lora_alpha=8, target_modules="all-linear", lora_dropout=0.0,
                                   init_lora_weights=False) if lora else None
-    common = dict(output_dir=str(out_dir), **COMMON)
+    common = dict(output_dir=str(out_dir), **{**COMMON, **overrides})
     if name == "dpo":
         data = {"prompt": ["the cat ", "1 2 3 "], "chosen": ["sees the ball.", "4 5."],
                 "rejected": ["likes a red box!", "9 9 9 9."]}
@@ -105,9 +106,9 @@ def _trainer(name, tiny_dir, out_dir, lora=False):
                                           peft_config=peft_config)
 
 
-def _train(name, tiny_dir, out_dir, use_foak, lora=False):
+def _train(name, tiny_dir, out_dir, use_foak, lora=False, **overrides):
     """Two steps of trainer ``name``; returns (the logged metrics per step, the trainer, foak's reports)."""
-    model, build = _trainer(name, tiny_dir, out_dir, lora)
+    model, build = _trainer(name, tiny_dir, out_dir, lora, **overrides)
     # LoRA: the trainer adds the adapter after foak.patch; fused_lora fuses it on the first forward
     reports = [foak.patch(model, **KERNELS, **({"fused_lora": True} if lora else {}))] if use_foak else []
     trainer = build(model)
@@ -209,3 +210,19 @@ def test_dpo_step_one_with_foak_and_without_both_agree_with_float64(tmp_path, ti
     for key, want in exact.items():
         for run in (ref_steps, steps):
             assert abs(run[0][key] - want) <= tolerance[key] * abs(want), (key, run[0][key], want)
+
+
+def test_dpo_step_one_under_bf16_autocast_foak_is_as_close_to_float64_as_trl(tmp_path, tiny_dir, reference_ops):
+    # What issue 26 saw: TRL's default bf16=True (on the CPU with use_cpu=True) is bf16 autocast over these fp32
+    # weights, not fp32. foak's SwiGLU computes act(g) * u in fp32 and rounds once to bf16 (HF rounds silu(g) to
+    # bf16, then the product); its RoPE backward works in fp32: the runs differ by bf16 rounding (~1e-5 in the logps,
+    # ~1e-4 in grad_norm), and foak's step is no farther from the float64 step than TRL's own. Measured here vs
+    # float64: logps TRL 1.8e-5 / 1.7e-5, foak 6.2e-6 / 9.7e-6; grad_norm TRL 1.09e-3, foak 1.15e-3.
+    bf16 = dict(bf16=True, use_cpu=True)
+    ref_steps, trainer, _ = _train("dpo", tiny_dir, tmp_path / "trl", use_foak=False, **bf16)
+    steps, _, _ = _train("dpo", tiny_dir, tmp_path / "foak", use_foak=True, **bf16)
+    exact = _dpo_step1_in_fp64(tiny_dir, trainer)
+    for key, want in exact.items():
+        trl_error = abs(ref_steps[0][key] - want) / abs(want)
+        foak_error = abs(steps[0][key] - want) / abs(want)
+        assert trl_error <= 3e-3 and foak_error <= 1.5 * trl_error, (key, trl_error, foak_error)
