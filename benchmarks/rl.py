@@ -1,9 +1,14 @@
 """TRL's preference and RL training steps on the GPU: DPO and GRPO, TRL alone vs TRL + Liger vs TRL + foak (issue [rl]).
 
     python3 benchmarks/rl.py --out $OUT                      # the check, then every timed row, the table last
-    python3 benchmarks/rl.py --out $OUT --trainers dpo --models llama1b --modes lora
+    python3 benchmarks/rl.py --out $OUT --check-only         # the fp32 correctness check alone (6 processes)
+    python3 benchmarks/rl.py --out $OUT --skip-check --trainers dpo --models llama1b   # 6 timed processes
     python3 benchmarks/rl.py --one dpo llama1b full foak     # one run (what the driver starts per process)
     TRITON_INTERPRET=1 python3 benchmarks/rl.py --cpu-smoke --out /tmp/rl   # tiny dims on CPU: the code paths only
+
+The whole set is 6 check + 24 timed processes (each ~0.5-1 min with imports and the first step's compilation): to
+stay under a 10-minute command, run --check-only once, then one (trainer, model) per command with --skip-check.
+Each invocation writes its own JSON, named after its selection.
 
 Every run (trainer, model, mode, variant) is its own process. Models: random weights from the built-in configs
 (foak.bench.models: ``llama1b`` = Llama-3.2-1B dims, ``llama8b-8l`` = Llama-3-8B dims with 8 layers), no download.
@@ -27,8 +32,8 @@ agree with TRL alone within 1e-4 relative (+1e-5 absolute for differences of log
 records its step-1 metrics and their largest relative distance from TRL alone's (bf16: for reading, not a pass/fail).
 Each row counts the calls of TRL's own fused-head kernel and the calls foak served (the fused_linear_loss rows).
 
-Writes ``rl_h200.json`` (``rl_smoke.json`` with --cpu-smoke): environment, check rows, timed rows, and prints a
-table last.
+Writes ``rl_h200[_check]_<trainers>_<models>_<modes>.json`` (``rl_smoke.json`` with --cpu-smoke): environment, check
+rows, timed rows; prints a table last.
 """
 
 from __future__ import annotations
@@ -268,7 +273,8 @@ def main() -> int:
     parser.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=VARIANTS)
     parser.add_argument("--cpu-smoke", action="store_true", help="tiny dims on the CPU (liger left out)")
     parser.add_argument("--skip-check", action="store_true")
-    parser.add_argument("--timeout", type=float, default=900, help="seconds per process")
+    parser.add_argument("--check-only", action="store_true")
+    parser.add_argument("--timeout", type=float, default=300, help="seconds per process")
     parser.add_argument("--one", nargs=4, metavar=("TRAINER", "MODEL", "MODE", "VARIANT"))
     parser.add_argument("--kind", default="bench", choices=("bench", "check", "smoke"))
     args = parser.parse_args()
@@ -298,7 +304,7 @@ def main() -> int:
                 checks.append(record)
                 print("CHECK " + json.dumps(_short(record)), flush=True)
     rows = []
-    for trainer in args.trainers:  # 2. the timed runs
+    for trainer in args.trainers if not args.check_only else []:  # 2. the timed runs
         for model in models:
             for mode in args.modes:
                 ref = None
@@ -317,7 +323,10 @@ def main() -> int:
                     rows.append(record)
                     print("ROW " + json.dumps(_short(record)), flush=True)
     Path(args.out).mkdir(parents=True, exist_ok=True)
-    path = Path(args.out) / ("rl_smoke.json" if smoke else "rl_h200.json")
+    selection = "_".join("-".join(x) for x in (args.trainers, args.models, args.modes))
+    name = "rl_smoke" if smoke else ("rl_h200_check_" + "-".join(args.trainers) if args.check_only
+                                     else "rl_h200_" + selection)
+    path = Path(args.out) / f"{name}.json"
     path.write_text(json.dumps({"environment": _environment(), "checks": checks, "rows": rows}, indent=1))
     print(f"wrote {path}")
     print("| check | variant | ok | largest distance from TRL alone (step:metric) | TRL kernel calls | foak served |")
