@@ -8,8 +8,9 @@ of TRL's own kernel (``ChunkedLogProbFunction.forward``, whoever calls it: 0 wit
 (the fused_linear_loss rows of the policy's and the reference model's PatchReports), and compares every metric the
 trainer logged at both steps (loss, rewards, log-probs, KL, entropy, grad_norm, ...) with the run without foak.
 
-The reference model is the trainer's own (TRL loads it from the policy's directory: the tiny model is saved once);
-foak patches it with ``foak.patch(trainer.ref_model)`` after the trainer is built, and the policy before."""
+The policy is patched before the trainer is built. The reference model is either passed to the trainer (KTO here),
+patched with foak.patch before, or the trainer's own (DPO, GRPO, RLOO: TRL loads it from the policy's directory,
+where the tiny model is saved once), patched with ``foak.patch(trainer.ref_model)`` once the trainer is built."""
 
 import gc
 import math
@@ -71,8 +72,10 @@ COMMON = dict(max_steps=2, learning_rate=0.1, optim="sgd", lr_scheduler_type="co
 
 
 def _trainer(name, tiny_dir, out_dir, lora=False, **overrides):
-    """The trainer ``name`` on the tiny Llama saved at tiny_dir (dataset, config and reward built here);
-    ``overrides``: config fields."""
+    """(policy, the reference model passed to the trainer or None, build(policy, reference) -> trainer) for
+    trainer ``name`` on the tiny Llama saved at tiny_dir (dataset, config and reward built here); ``overrides``:
+    config fields. KTO gets a reference model from the caller (patched before the trainer is built); DPO, GRPO and
+    RLOO load their own from the policy's directory (or disable the LoRA adapter)."""
     model = transformers.AutoModelForCausalLM.from_pretrained(tiny_dir, dtype=torch.float32)
     tokenizer = transformers.AutoTokenizer.from_pretrained(tiny_dir)
     # LoRA: the reference is the policy with its adapter disabled; non-zero B so that it differs at step 1
@@ -83,15 +86,18 @@ def _trainer(name, tiny_dir, out_dir, lora=False, **overrides):
         data = {"prompt": ["the cat ", "1 2 3 "], "chosen": ["sees the ball.", "4 5."],
                 "rejected": ["likes a red box!", "9 9 9 9."]}
         config = trl.DPOConfig(per_device_train_batch_size=2, dataset_num_proc=None, **common)
-        return model, lambda m: trl.DPOTrainer(model=m, args=config, train_dataset=datasets.Dataset.from_dict(data),
-                                               processing_class=tokenizer, peft_config=peft_config)
+        return model, None, lambda m, ref: trl.DPOTrainer(
+            model=m, args=config, train_dataset=datasets.Dataset.from_dict(data), processing_class=tokenizer,
+            peft_config=peft_config)
     if name == "kto":
         data = {"prompt": ["the cat ", "1 2 3 ", "a dog ", "7 8 "],
                 "completion": ["sees the ball.", "4 5.", "is blue 9", "9 9 9."],
                 "label": [True, True, False, False]}
         config = trl.KTOConfig(per_device_train_batch_size=4, dataset_num_proc=None, **common)
-        return model, lambda m: trl.KTOTrainer(model=m, args=config, train_dataset=datasets.Dataset.from_dict(data),
-                                               processing_class=tokenizer, peft_config=peft_config)
+        ref_model = None if lora else transformers.AutoModelForCausalLM.from_pretrained(tiny_dir, dtype=torch.float32)
+        return model, ref_model, lambda m, ref: trl.KTOTrainer(
+            model=m, ref_model=ref, args=config, train_dataset=datasets.Dataset.from_dict(data),
+            processing_class=tokenizer, peft_config=peft_config)
     # GRPO / RLOO: 2 prompts x 4 completions of 6 sampled tokens, a KL term (a reference model), temperature != 1
     data = {"prompt": ["the cat ", "1 2 3 "]}
     rl = dict(per_device_train_batch_size=4, num_generations=4, max_completion_length=6, beta=0.1, temperature=0.9,
@@ -103,18 +109,20 @@ def _trainer(name, tiny_dir, out_dir, lora=False, **overrides):
     else:
         config = trl.RLOOConfig(**rl)
         trainer_class = trl.RLOOTrainer
-    return model, lambda m: trainer_class(model=m, reward_funcs=_reward, args=config,
-                                          train_dataset=datasets.Dataset.from_dict(data), processing_class=tokenizer,
-                                          peft_config=peft_config)
+    return model, None, lambda m, ref: trainer_class(
+        model=m, reward_funcs=_reward, args=config, train_dataset=datasets.Dataset.from_dict(data),
+        processing_class=tokenizer, peft_config=peft_config)
 
 
 def _train(name, tiny_dir, out_dir, use_foak, lora=False, **overrides):
     """Two steps of trainer ``name``; returns (the logged metrics per step, the trainer, foak's reports)."""
-    model, build = _trainer(name, tiny_dir, out_dir, lora, **overrides)
+    model, ref_model, build = _trainer(name, tiny_dir, out_dir, lora, **overrides)
     # LoRA: the trainer adds the adapter after foak.patch; fused_lora fuses it on the first forward
     reports = [foak.patch(model, **KERNELS, **({"fused_lora": True} if lora else {}))] if use_foak else []
-    trainer = build(model)
-    if use_foak and trainer.ref_model is not None:
+    if use_foak and ref_model is not None:  # a reference model the user passes: patched like the policy
+        reports.append(foak.patch(ref_model, **KERNELS))
+    trainer = build(model, ref_model)
+    if use_foak and ref_model is None and trainer.ref_model is not None:  # the trainer's own: patched once built
         reports.append(foak.patch(trainer.ref_model, **KERNELS))
     assert is_patched(trainer.model) == use_foak
     trainer.train()
