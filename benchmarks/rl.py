@@ -21,7 +21,8 @@ its own fused LM head), ``foak`` (``foak.patch`` with foak's defaults on the pol
   tokens = 8192 tokens per step through the policy, and as many through the reference model).
 - GRPO: one prompt of 512 tokens with 8 completions of 1536 tokens each per step (8 x 2048 = 16384 tokens), taken
   from a fixed completions fixture through TRL's ``rollout_func``, so generation is excluded from the step;
-  a stub reward; TRL's GRPO defaults otherwise (beta 0: no reference model).
+  a stub reward; TRL's GRPO defaults otherwise (beta 0: no reference model; ``--grpo-beta 0.04`` adds one, which
+  TRL loads from the policy saved to a temporary directory under full FT, and which foak patches too).
 TRL's defaults otherwise (bf16 autocast, gradient checkpointing); bf16 weights, fused AdamW, lr 1e-6; 2 warm-up and
 5 timed steps; tokens/s counts the policy's tokens (prompt + completion) of the timed steps; peak memory is
 torch.cuda.max_memory_allocated over the timed steps.
@@ -83,7 +84,7 @@ def _text(rng: random.Random, n: int, alphabet: str) -> str:
     return "".join(rng.choice(alphabet) for _ in range(n))
 
 
-def one_run(trainer_name: str, model_name: str, mode: str, variant: str, kind: str) -> dict:
+def one_run(trainer_name: str, model_name: str, mode: str, variant: str, kind: str, grpo_beta: float = 0.0) -> dict:
     """One process: build, patch, train WARMUP + TIMED steps (2 for the check), return the record."""
     import datasets
     import peft
@@ -118,6 +119,13 @@ def one_run(trainer_name: str, model_name: str, mode: str, variant: str, kind: s
     ref_model = None
     if trainer_name == "dpo" and mode == "full":
         ref_model = _model(model_name, kind, device, dtype)  # same seed: the same weights
+    if trainer_name == "grpo" and grpo_beta > 0 and mode == "full":
+        # GRPO loads its reference model from the policy's path: the random weights go to a local directory
+        import tempfile
+
+        path = tempfile.mkdtemp(prefix="rl_bench_policy_")
+        model.save_pretrained(path)
+        model.config._name_or_path = path
     if mode == "lora":
         model = peft.get_peft_model(model, peft.LoraConfig(r=16, lora_alpha=16, target_modules=LORA_TARGETS,
                                                            lora_dropout=0.0))
@@ -187,16 +195,19 @@ def one_run(trainer_name: str, model_name: str, mode: str, variant: str, kind: s
 
         os.environ["TRL_EXPERIMENTAL_SILENCE"] = "1"
         config = trl.GRPOConfig(per_device_train_batch_size=GRPO_COMPLETIONS, num_generations=GRPO_COMPLETIONS,
-                                max_completion_length=completion_len, **common)
+                                max_completion_length=completion_len, beta=grpo_beta, **common)
         trainer = trl.GRPOTrainer(model=model, reward_funcs=reward, args=config,
                                   train_dataset=datasets.Dataset.from_dict({"prompt": prompts}),
                                   processing_class=tokenizer, rollout_func=rollout, callbacks=[Timer()])
+        if variant == "foak" and trainer.ref_model is not None:  # the trainer's own reference model
+            reports["reference"] = foak.patch(trainer.ref_model, mixed_precision="bf16" if bf16 else "no")
         tokens_per_step = GRPO_COMPLETIONS * (prompt_len + completion_len)
     trainer.train()
     timed = step_times[warmup:]
     logs = [{k: v for k, v in entry.items() if k not in TIMINGS and isinstance(v, (int, float))}
             for entry in trainer.state.log_history if "grad_norm" in entry]
     record = {"trainer": trainer_name, "model": model_name, "mode": mode, "variant": variant, "kind": kind,
+              "grpo_beta": grpo_beta if trainer_name == "grpo" else None,
               "tokens_per_step": tokens_per_step, "steps": steps, "timed_steps": len(timed),
               "tokens_per_s": tokens_per_step * len(timed) / sum(timed) if timed else None,
               "step_ms": 1e3 * sum(timed) / len(timed) if timed else None,
@@ -228,8 +239,8 @@ def _distance(metrics, ref_metrics) -> tuple[float, str]:
     return worst, where
 
 
-def _spawn(args: list[str], timeout: float) -> dict:
-    command = [sys.executable, os.path.abspath(__file__), "--one", *args]
+def _spawn(args: list[str], timeout: float, grpo_beta: float) -> dict:
+    command = [sys.executable, os.path.abspath(__file__), "--one", *args, "--grpo-beta", str(grpo_beta)]
     try:
         done = subprocess.run(command, capture_output=True, text=True, timeout=timeout,
                               env=dict(os.environ, PYTORCH_CUDA_ALLOC_CONF="expandable_segments:True"))
@@ -277,9 +288,12 @@ def main() -> int:
     parser.add_argument("--timeout", type=float, default=300, help="seconds per process")
     parser.add_argument("--one", nargs=4, metavar=("TRAINER", "MODEL", "MODE", "VARIANT"))
     parser.add_argument("--kind", default="bench", choices=("bench", "check", "smoke"))
+    parser.add_argument("--grpo-beta", type=float, default=0.0,
+                        help="GRPO's KL coefficient (TRL's default 0: no reference model); > 0 adds the reference "
+                             "model's forward (full FT: TRL loads it from the policy saved to a temporary directory)")
     args = parser.parse_args()
     if args.one:
-        print("RESULT " + json.dumps(one_run(*args.one, args.kind)), flush=True)
+        print("RESULT " + json.dumps(one_run(*args.one, args.kind, args.grpo_beta)), flush=True)
         return 0
 
     smoke = args.cpu_smoke
@@ -291,7 +305,7 @@ def main() -> int:
             ref = None
             for variant in variants:
                 record = _spawn([trainer, "llama1b", "full", variant, "--kind", "smoke" if smoke else "check"],
-                                args.timeout)
+                                args.timeout, args.grpo_beta)
                 record.update(trainer=trainer, variant=variant, kind="check")
                 if variant == "trl":
                     ref = record
@@ -310,7 +324,7 @@ def main() -> int:
                 ref = None
                 for variant in variants:
                     record = _spawn([trainer, model, mode, variant, "--kind", "smoke" if smoke else "bench"],
-                                    args.timeout)
+                                    args.timeout, args.grpo_beta)
                     record.update(trainer=trainer, model=model, mode=mode, variant=variant)
                     if variant == "trl":
                         ref = record
@@ -324,6 +338,7 @@ def main() -> int:
                     print("ROW " + json.dumps(_short(record)), flush=True)
     Path(args.out).mkdir(parents=True, exist_ok=True)
     selection = "_".join("-".join(x) for x in (args.trainers, args.models, args.modes))
+    selection += f"_grpo-beta{args.grpo_beta:g}" if args.grpo_beta and "grpo" in args.trainers else ""
     name = "rl_smoke" if smoke else ("rl_h200_check_" + "-".join(args.trainers) if args.check_only
                                      else "rl_h200_" + selection)
     path = Path(args.out) / f"{name}.json"
