@@ -116,16 +116,16 @@ def _trainer(name, tiny_dir, out_dir, lora=False, **overrides):
         processing_class=tokenizer, peft_config=peft_config)
 
 
-def _train(name, tiny_dir, out_dir, use_foak, lora=False, **overrides):
+def _train(name, tiny_dir, out_dir, use_foak, lora=False, kernels=KERNELS, **overrides):
     """Two steps of trainer ``name``; returns (the logged metrics per step, the trainer, foak's reports)."""
     model, ref_model, build = _trainer(name, tiny_dir, out_dir, lora, **overrides)
     # LoRA: the trainer adds the adapter after foak.patch; fused_lora fuses it on the first forward
-    reports = [foak.patch(model, **KERNELS, **({"fused_lora": True} if lora else {}))] if use_foak else []
+    reports = [foak.patch(model, **kernels, **({"fused_lora": True} if lora else {}))] if use_foak else []
     if use_foak and ref_model is not None:  # a reference model the user passes: patched like the policy
-        reports.append(foak.patch(ref_model, **KERNELS))
+        reports.append(foak.patch(ref_model, **kernels))
     trainer = build(model, ref_model)
     if use_foak and ref_model is None and trainer.ref_model is not None:  # the trainer's own: patched once built
-        reports.append(foak.patch(trainer.ref_model, **KERNELS))
+        reports.append(foak.patch(trainer.ref_model, **kernels))
     assert is_patched(trainer.model) == use_foak
     trainer.train()
     steps = [entry for entry in trainer.state.log_history if "grad_norm" in entry]
@@ -175,6 +175,19 @@ def test_trainer_steps_with_foak_match_trl_alone(tmp_path, tiny_dir, trl_calls, 
     del trainer, ref_trainer
     gc.collect()
 
+
+
+def test_grpo_steps_with_foaks_head_kernels_match_trl_alone(tmp_path, tiny_dir, trl_calls):
+    # the cases above run foak's torch reference ops; here the fused head runs foak's Triton kernels (the interpreter):
+    # log-probs and entropy at temperature 0.9, the entropy bonus's gradient, the reference model's no-grad forward
+    # (only the head: the other kernels would run in every generated token's forward, seconds each here)
+    ref_steps, _, _ = _train("grpo", tiny_dir, tmp_path / "trl", use_foak=False)
+    trl_calls[0] = 0
+    steps, _, (report, ref_report) = _train("grpo", tiny_dir, tmp_path / "foak", use_foak=True,
+                                            kernels={"fused_linear_loss": True})
+    row = report.result("llama.fused_linear_loss")
+    assert row.backend.startswith("triton") and (_served(report), _served(ref_report), trl_calls[0]) == (2, 2, 0)
+    _assert_same_metrics(steps, ref_steps)
 
 def test_dpo_with_a_lora_adapter_and_its_disabled_adapter_as_reference(tmp_path, tiny_dir, trl_calls, reference_ops):
     # no reference model: TRL scores the reference with the adapter disabled, through the policy's own head
