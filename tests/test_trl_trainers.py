@@ -10,7 +10,11 @@ trainer logged at both steps (loss, rewards, log-probs, KL, entropy, grad_norm, 
 
 The policy is patched before the trainer is built. The reference model is either passed to the trainer (KTO here),
 patched with foak.patch before, or the trainer's own (DPO, GRPO, RLOO: TRL loads it from the policy's directory,
-where the tiny model is saved once), patched with ``foak.patch(trainer.ref_model)`` once the trainer is built."""
+where the tiny model is saved once), patched with ``foak.patch(trainer.ref_model)`` once the trainer is built.
+
+Also here (issue 26's step-1 discrepancy): DPO's step 1 with and without foak against a float64 computation of the
+same step, in fp32 (both at rounding distance) and under TRL's default bf16 autocast (where they differ by bf16
+rounding, foak's log-probs the closer ones), and the module whose output first differs under bf16 autocast."""
 
 import copy
 import functools
@@ -176,7 +180,6 @@ def test_trainer_steps_with_foak_match_trl_alone(tmp_path, tiny_dir, trl_calls, 
     gc.collect()
 
 
-
 def test_grpo_steps_with_foaks_head_kernels_match_trl_alone(tmp_path, tiny_dir, trl_calls):
     # the cases above run foak's torch reference ops; here the fused head runs foak's Triton kernels (the interpreter):
     # log-probs and entropy at temperature 0.9, the entropy bonus's gradient, the reference model's no-grad forward
@@ -188,6 +191,7 @@ def test_grpo_steps_with_foaks_head_kernels_match_trl_alone(tmp_path, tiny_dir, 
     row = report.result("llama.fused_linear_loss")
     assert row.backend.startswith("triton") and (_served(report), _served(ref_report), trl_calls[0]) == (2, 2, 0)
     _assert_same_metrics(steps, ref_steps)
+
 
 def test_dpo_with_a_lora_adapter_and_its_disabled_adapter_as_reference(tmp_path, tiny_dir, trl_calls, reference_ops):
     # no reference model: TRL scores the reference with the adapter disabled, through the policy's own head
