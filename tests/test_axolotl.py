@@ -9,15 +9,17 @@ where axolotl is not installed (the main test environment).
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 
+import pytest
+
+if importlib.util.find_spec("axolotl") is None:
+    pytest.skip("axolotl is not installed: the axolotl tier's venv (requirements-axolotl.txt, docs/axolotl.md) runs "
+                "this file", allow_module_level=True)
 os.environ.setdefault("AXOLOTL_DO_NOT_TRACK", "1")  # no telemetry (this machine has no network)
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
-
-import pytest  # noqa: E402
-
-pytest.importorskip("axolotl", reason="the axolotl tier: pip install -r requirements-axolotl.txt (see docs/axolotl.md)")
 
 import torch  # noqa: E402
 import yaml  # noqa: E402

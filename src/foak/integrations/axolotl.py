@@ -23,7 +23,7 @@ What the plugin does, hook by hook (axolotl.integrations.base.BasePlugin):
 - ``pre_model_load``: refuses a model type foak has no rules for, and a weight dtype / mixed precision pair
   that foak.config.check_precision rejects, before the weights are read.
 - ``post_model_load`` (the model with its adapters, before the trainer wraps it in FSDP2): ``foak.patch``
-  with the resolved switches; the main process logs the patch report; :attr:`FoakPlugin.report` keeps it.
+  with the resolved switches; the main process prints the patch report; :attr:`FoakPlugin.report` keeps it.
 
 Sample packing needs nothing more: with ``sample_packing: true`` and ``sdpa``/``eager`` attention axolotl
 drops the attention mask and passes position ids that restart per sequence, which is the packed batch
@@ -229,7 +229,7 @@ class FoakPlugin(BasePlugin):
             for key in _AXOLOTL_LORA_KERNELS:
                 cfg[key] = False
             self.turned_off = list(_AXOLOTL_LORA_KERNELS)
-            LOG.info("foak: set %s to false (axolotl would switch them on; foak's fused_lora and fast_swiglu "
+            LOG.warning("foak: set %s to false (axolotl would switch them on; foak's fused_lora and fast_swiglu "
                      "serve these layers)", ", ".join(_AXOLOTL_LORA_KERNELS))
 
     def pre_model_load(self, cfg):
@@ -258,5 +258,5 @@ class FoakPlugin(BasePlugin):
 
         config = resolve_config(model, _switches(cfg.get(KEY)))
         self.report = foak.patch(model, config, mixed_precision=_mixed_precision(cfg))
-        if is_main_process():
-            LOG.info("foak patch report:\n%s", self.report)
+        if is_main_process():  # printed (as FoakCallback does): axolotl's log setup shows only its own loggers
+            print(self.report, flush=True)
