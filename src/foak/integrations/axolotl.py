@@ -142,8 +142,9 @@ def _refusals(get, switches: Mapping[str, Any]) -> list[str]:
             lines.append(f"{option}: {get(option)}: foak is not tested with tensor, context or sequence "
                          "parallelism (its kernels see whole sequences and weights); remove it or the foak plugin")
     if get("rl"):
-        lines.append(f"rl: {getattr(get('rl'), 'value', get('rl'))}: foak's axolotl plugin serves supervised fine-tuning (causal LM loss), not "
-                     "axolotl's RL trainers; remove the foak plugin for this run")
+        rl = getattr(get("rl"), "value", get("rl"))  # an enum after validation
+        lines.append(f"rl: {rl}: foak's axolotl plugin serves supervised fine-tuning (causal LM loss), not axolotl's "
+                     "RL trainers; remove the foak plugin for this run")
     if get("fp8"):
         lines.append("fp8: true: foak's kernels are not tested on fp8 (torchao Float8) linears; remove fp8 or the "
                      "foak plugin")
