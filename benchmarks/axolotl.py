@@ -259,7 +259,9 @@ def table(rows: list[dict]) -> str:
     lines = [f"{'variant':<15} {'tokens/s':>10} {'vs peft':>8} {'step s':>8} {'peak GiB':>9} {'step-1 loss':>12}"]
     for r in rows:
         if "error" in r:
-            lines.append(f"{r['variant']:<15} failed (rc {r['returncode']}): {r['error'].splitlines()[-1][:80]}")
+            lines_ = r["error"].splitlines() or [""]
+            last = next((x for x in reversed(lines_) if "Error" in x), lines_[-1])
+            lines.append(f"{r['variant']:<15} failed (rc {r['returncode']}): {last.strip()[:100]}")
             continue
         tps = r.get("tokens_per_second")
         gain = f"{tps / ref['tokens_per_second']:.3f}x" if tps and ref else "-"

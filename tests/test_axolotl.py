@@ -164,6 +164,10 @@ def test_foak_key_is_checked_by_foaks_schema(tiny_llama, tmp_path, foak_key, ada
     ((PLUGIN,), {"tiled_mlp": True}, "axolotl's tiled_mlp and foak's fast_swiglu both replace the MLP's forward"),
     ((PLUGIN,), {"chunked_cross_entropy": True}, "chunked_cross_entropy: True and foak's fused_linear_loss"),
     ((PLUGIN,), {"rl": "dpo"}, "rl: dpo: foak's axolotl plugin serves supervised fine-tuning"),
+    ((PLUGIN,), {"activation_offloading": True, "gradient_checkpointing": True, "foak": {"offload_activations": True}},
+     "axolotl's activation offloading and foak's offload_activations both move the checkpointed activations"),
+    ((PLUGIN,), {"context_parallel_size": 2}, "context_parallel_size: 2: foak is not tested with tensor, context"),
+    ((PLUGIN,), {"fp8": True}, "fp8: true: foak's kernels are not tested on fp8"),
     ((PLUGIN,), dict(LORA, adapter="qlora", load_in_4bit=True, fsdp_version=2,
                      fsdp_config={"reshard_after_forward": True}),
      "adapter: qlora with FSDP2: axolotl stores the 4-bit weights as bf16"),
@@ -186,6 +190,23 @@ def test_the_refused_combinations_load_once_foaks_kernel_is_off(tiny_llama, tmp_
     cfg = load(axolotl_config(tiny_llama, tmp_path, plugins=plugins, foak=foak_key, **options), tmp_path)
     assert cfg.foak == foak_key
     assert PLUGIN in cfg.plugins
+
+
+def test_foak_key_overrides_foaks_defaults(tiny_llama):
+    """resolve_config: foak.patch's defaults for the model, each given switch overriding its default; setting
+    fast_loss true drops fused_linear_loss (they exclude each other)."""
+    import transformers
+
+    from foak.integrations.axolotl import resolve_config
+    from foak.patching import default_config
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(tiny_llama / "model")
+    defaults = default_config(model)
+    assert defaults.fused_linear_loss and defaults.fast_rope_embeddings and not defaults.tiled_mlp
+    assert resolve_config(model, None) == defaults
+    cfg = resolve_config(model, {"fast_rope_embeddings": False, "fast_loss": True, "tiled_mlp": True})
+    assert (cfg.fast_rope_embeddings, cfg.fast_loss, cfg.fused_linear_loss, cfg.tiled_mlp) == (False, True, False, True)
+    assert cfg.fast_rms_layernorm and cfg.fast_swiglu and cfg.fast_packed_attention and cfg.mode == "full"
 
 
 def test_a_config_without_the_plugin_is_left_alone(tiny_llama, tmp_path):
