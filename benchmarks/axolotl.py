@@ -4,7 +4,7 @@ A Llama with Llama-3-8B dimensions (hidden 4096, intermediate 14336, 32 heads / 
 by default), randomly initialised and saved locally in bf16, a character tokenizer and generated text (no
 downloads). LoRA r=16 on every linear, bf16, sdpa attention, gradient checkpointing, AdamW; sample packing into
 rows of --seq tokens (--no-packing: one text per row). Each variant runs `axolotl train CONFIG --launcher python`
-(`--launcher torchrun` with --fsdp: FSDP2, one process) in a process of its own:
+(with --fsdp: `torchrun --nproc_per_node 1 -m axolotl.cli.train CONFIG`, FSDP2) in a process of its own:
 
     peft           axolotl's LoRA on plain PEFT (lora_*_kernel: false, no Liger): the reference
     axolotl_liger  axolotl's own fused LoRA kernels (lora_mlp/qkv/o_kernel: true) + the Liger plugin (liger_rms_norm,
@@ -98,10 +98,17 @@ class _Probe(TrainerCallback):
     def on_train_end(self, args, state, control, **kwargs):
         if not state.is_world_process_zero:
             return
+        model = kwargs.get("model")
+        try:
+            from torch.distributed.fsdp import FSDPModule
+            fsdp_units = sum(isinstance(m, FSDPModule) for m in model.modules()) if model is not None else None
+        except ImportError:
+            fsdp_units = None
         foak = PluginManager.get_instance().plugins.get("foak.integrations.axolotl.FoakPlugin")
         report = getattr(foak, "report", None)
         out = {
             "step_seconds": self.steps, "logs": self.logs,
+            "fsdp_units": fsdp_units,
             "peak_allocated_gib": torch.cuda.max_memory_allocated() / 2**30 if torch.cuda.is_available() else None,
             "cfg": {k: (v if isinstance(v, (bool, int, float, str, type(None))) else str(v))
                     for k, v in self.cfg.items() if k.startswith(("lora_", "liger_", "sample_packing", "fsdp"))},
@@ -203,9 +210,11 @@ def run_variant(work: Path, variant: str, args) -> dict:
                PYTHONPATH=os.pathsep.join([str(work), src] + [p for p in [os.environ.get("PYTHONPATH")] if p]))
     if args.tiny:
         env["FOAK_BACKEND"] = "reference"  # the CPU smoke checks the wiring; kernels have their own tests
-    launcher = ["--launcher", "torchrun", "--", "--standalone", "--nproc_per_node", "1"] if args.fsdp else \
-        ["--launcher", "python"]
-    command = [sys.executable, "-m", "axolotl.cli.main", "train", str(cfg_path), *launcher]
+    if args.fsdp:  # what `axolotl train --launcher torchrun` runs, with this interpreter's torchrun
+        command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "1",
+                   "-m", "axolotl.cli.train", str(cfg_path)]
+    else:  # `axolotl train CONFIG --launcher python`
+        command = [sys.executable, "-m", "axolotl.cli.main", "train", str(cfg_path), "--launcher", "python"]
     start = time.perf_counter()
     proc = subprocess.run(command, cwd=work, env=env, capture_output=True, text=True)
     wall = time.perf_counter() - start
@@ -223,13 +232,17 @@ def run_variant(work: Path, variant: str, args) -> dict:
     row.update(losses=losses, step_seconds=probe["step_seconds"], peak_allocated_gib=probe["peak_allocated_gib"],
                tokens_per_second=timed_tokens / sum(timed) if timed_tokens and timed else None,
                median_step_seconds=sorted(timed)[len(timed) // 2] if timed else None,
-               cfg=probe["cfg"], foak_rows=probe["foak_rows"], foak_report=probe["foak_report"])
+               fsdp_units=probe.get("fsdp_units"), cfg=probe["cfg"], foak_rows=probe["foak_rows"],
+               foak_report=probe["foak_report"])
     return row
 
 
-def check(rows: list[dict]) -> list[str]:
+def check(rows: list[dict], fsdp: bool = False) -> list[str]:
     """The correctness lines; an empty list when everything holds."""
     failures = []
+    if fsdp:  # accelerate applies FSDP only on accelerators (its CPU processes run without it)
+        failures += [f"{r['variant']}: --fsdp, but the trained model holds no FSDP2 unit ({r.get('fsdp_units')})"
+                     for r in rows if "error" not in r and not r.get("fsdp_units")]
     by = {r["variant"]: r for r in rows}
     ref = by.get("peft")
     for r in rows:
@@ -314,7 +327,7 @@ def main() -> int:
         rows.append(row)
         print(f"{variant}: rc {row['returncode']}, {row['wall_seconds']} s" + (f"\n{row['error']}" if "error" in row
                                                                            else ""), flush=True)
-    failures = check(rows)
+    failures = check(rows, fsdp=args.fsdp)
     foak_row = next((r for r in rows if r["variant"] == "foak" and r.get("foak_report")), None)
     if foak_row:
         print(foak_row["foak_report"])
