@@ -283,9 +283,9 @@ def test_lora_with_sample_packing_two_steps_match_axolotl_without_foak(tiny_llam
 
 
 def test_qlora_two_steps_match_axolotl_without_foak(tiny_llama, tmp_path, reference_backend):
-    """QLoRA: axolotl's bitsandbytes NF4 base (its 4-bit weights stored as bf16), LoRA on every linear;
-    foak's fused_lora dequantizes the NF4 base itself."""
-    options = dict(LORA, adapter="qlora", load_in_4bit=True)
+    """QLoRA: axolotl's bitsandbytes NF4 base (its 4-bit weights stored as bf16), LoRA on every linear, with
+    axolotl's gradient checkpointing; foak's fused_lora dequantizes the NF4 base itself."""
+    options = dict(LORA, adapter="qlora", load_in_4bit=True, gradient_checkpointing=True)
     unpatched, _ = train(load(axolotl_config(tiny_llama, tmp_path / "a", plugins=(), **options, **PLAIN_PEFT),
                               tmp_path))
     patched, plugin = train(load(axolotl_config(tiny_llama, tmp_path / "b", **options), tmp_path))
