@@ -95,9 +95,9 @@ def _check_switches(switches: dict[str, Any], adapter: Any) -> None:
     if "mode" in switches:
         raise ValueError(f"{KEY}.mode: not a setting here; foak's mode follows axolotl's `adapter` (lora/qlora: "
                          "LoRA kernels, none: full fine-tuning); remove it")
-    if mode == "full":
-        for key, bad in (("fused_lora", True), ("base_layer", None)):
-            if key in switches and switches[key] not in (False, "none") and (bad is None or switches[key] is bad):
+    if mode == "full":  # (foak's own message would point at the acceleration YAML's peft stanza)
+        for key in ("fused_lora", "base_layer"):
+            if switches.get(key, False) not in (False, "none") and (key == "base_layer" or switches[key] is True):
                 raise ValueError(f"{KEY}.{key}: {switches[key]!r} needs `adapter: lora` or `adapter: qlora` (this "
                                  "config fine-tunes the full model); remove it")
     try:
@@ -106,21 +106,23 @@ def _check_switches(switches: dict[str, Any], adapter: Any) -> None:
         raise ValueError(str(err).replace(PEFT_STANZA, KEY).replace(FULL_STANZA, KEY)) from None
 
 
-def _on(switches: Mapping[str, Any], name: str) -> bool:
-    """Whether a foak switch may be on: set true, or left to foak's default (every kernel but the opt-in)."""
+def _on(switches: Mapping[str, Any], name: str, peft: bool = True) -> bool:
+    """Whether a foak switch may be on: set true, or left to foak's default (every kernel but the opt-in ones;
+    fused_lora only with LoRA/QLoRA)."""
     if name in switches:
         return bool(switches[name])
-    return name not in _OFF_BY_DEFAULT
+    return name not in _OFF_BY_DEFAULT and (peft or name != "fused_lora")
 
 
 def _refusals(get, switches: Mapping[str, Any]) -> list[str]:
     """One line per axolotl setting the plugin cannot run with; ``get`` reads the (validated) axolotl config."""
     lines = []
+    peft = _mode(get("adapter")) == "peft"
     for option, (foak_switches, what) in _OVERLAPS.items():
         value = get(option)
         if not value or (option == "expert_backend" and value not in ("scattermoe", "sonicmoe")):
             continue
-        on = [s for s in foak_switches if _on(switches, s)]
+        on = [s for s in foak_switches if _on(switches, s, peft)]
         if option == "tiled_mlp" and on:
             lines.append(f"axolotl's tiled_mlp and foak's {' and '.join(on)} both replace {what}: use foak's "
                          f"tiled MLP instead (`{KEY}: {{tiled_mlp: true}}`, the fused GLU in sequence chunks, and "
