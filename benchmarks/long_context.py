@@ -171,7 +171,8 @@ MARKER = "FOAK_CHECKPOINT.json"
 def save_checkpoint(path: str, dims: str, smoke: bool, loss_length: int | None = None) -> dict:
     """The model every framework starts from (build_model), saved for Unsloth's from_pretrained: safetensors, its
     config, and a word-level tokenizer over the whole vocabulary. With loss_length: HF's loss on token_ids at that
-    length, unpatched (Unsloth's process must not compute it: importing Unsloth patches transformers' Llama)."""
+    length, unpatched (Unsloth's process must not compute it: importing Unsloth patches transformers' Llama), bf16
+    and then with the projections NF4 (as the other frameworks' --qlora runs quantize them)."""
     import torch
     import transformers
     from tokenizers import Tokenizer, models
@@ -180,14 +181,18 @@ def save_checkpoint(path: str, dims: str, smoke: bool, loss_length: int | None =
     dtype = torch.float32 if smoke else torch.bfloat16
     model, config = build_model(dims, device, dtype)
     meta = {"dims": dims_of(dims), "dtype": str(dtype), "seed": 0}
-    if loss_length:
-        with torch.no_grad():
-            ids = token_ids(config.vocab_size, loss_length, device)
-            meta.update(hf_loss=float(model(input_ids=ids, labels=ids).loss), hf_loss_length=loss_length)
     os.makedirs(path, exist_ok=True)
     if os.path.exists(os.path.join(path, MARKER)):
         os.remove(os.path.join(path, MARKER))
     model.save_pretrained(path)
+    if loss_length:
+        from foak.bench.step import quantize_nf4
+
+        ids = token_ids(config.vocab_size, loss_length, device)
+        with torch.no_grad():
+            meta.update(hf_loss=float(model(input_ids=ids, labels=ids).loss), hf_loss_length=loss_length)
+            quantize_nf4(model, device)
+            meta.update(hf_loss_nf4=float(model(input_ids=ids, labels=ids).loss))
     vocab = {"<pad>": 0, "<s>": 1, "</s>": 2, "<unk>": 3}
     vocab.update({f"t{i}": i for i in range(4, config.vocab_size)})
     tokenizer = transformers.PreTrainedTokenizerFast(
@@ -218,8 +223,7 @@ def unsloth_state(model) -> dict:
              "cpu_backend": bool(getattr(unsloth, "_IS_CPU_BACKEND", False)),
              "gradient_checkpointing": str(getattr(model, "_unsloth_gradient_checkpointing", None)),
              "offloading_checkpoint": torch.utils.checkpoint.CheckpointFunction.__name__ == "UnslothCheckpointFunction",
-             "embedding_device": str(model.get_input_embeddings().weight.device),
-             "tiled_mlp": os.environ.get("UNSLOTH_TILED_MLP")}
+             "embedding_device": str(model.get_input_embeddings().weight.device)}
     gc = sys.modules.get("unsloth_zoo.gradient_checkpointing")
     if gc is not None:
         buffers = [b for b in getattr(gc, "CPU_BUFFERS", None) or [] if torch.is_tensor(b)]
@@ -272,8 +276,8 @@ def unsloth_run(framework: str, length: int, smoke: bool, warmup: int, qlora: bo
     record = measure(model, framework, length, ids, smoke, warmup, qlora, reentrant=None)
     record["unsloth"] = unsloth_state(model)
     record["versions"] = package_versions()
-    if "hf_loss" in meta and meta.get("hf_loss_length") == length:
-        record["hf_loss"] = meta["hf_loss"]
+    if meta.get("hf_loss_length") == length:  # --check-unsloth-env's model: HF's loss on the same tokens
+        record["hf_loss"] = meta["hf_loss_nf4" if qlora else "hf_loss"]
     return record
 
 
@@ -287,28 +291,42 @@ def run_child(args: list[str], timeout: float) -> tuple[dict | None, str]:
     return (json.loads(line[len("RESULT "):]) if line else None), tail[0][:300]
 
 
-def check_unsloth_env(model_dir: str, timeout: float, smoke: bool) -> dict:
+def check_unsloth_env(model_dir: str, timeout: float, smoke: bool) -> list[dict]:
     """GPU, run first: Unsloth imports from the carried wheels, its GPU backend is on with its offloading
     checkpoint, and its training step on a small model (2 layers, hidden 512, 4096 tokens: each layer input over
-    its 2 MB offload threshold) gives HF's loss on the same weights and tokens (bf16: within 0.02). With smoke
-    (CPU): Unsloth's CPU backend, fp32, the loss within 1e-4."""
+    its 2 MB offload threshold) gives HF's loss on the same weights and tokens, bf16 and NF4 (load_in_4bit vs
+    bitsandbytes NF4 of the same weights): within 0.02. With smoke (CPU): Unsloth's CPU backend, fp32, 1e-4 (NF4:
+    1e-3, the HF side computes in bf16)."""
     length, smoke_flag = 4096, ["--cpu-smoke"] * smoke
-    meta, tail = run_child(["--save-checkpoint", model_dir, "--dims", "check", "--loss-length", str(length),
-                            *smoke_flag], timeout)
+    try:
+        meta, tail = run_child(["--save-checkpoint", model_dir, "--dims", "check", "--loss-length", str(length),
+                                *smoke_flag], timeout)
+    except subprocess.TimeoutExpired:
+        meta, tail = None, f"timeout {timeout} s"
     if meta is None:
-        return {"check": "unsloth-env", "ok": False, "stage": "save", "error": tail}
-    record, tail = run_child(["--one", "unsloth", str(length), "--unsloth-model-dir", model_dir, *smoke_flag],
-                             timeout)
-    if record is None:
-        return {"check": "unsloth-env", "ok": False, "stage": "unsloth", "error": tail, "hf_loss": meta["hf_loss"]}
-    state = record["unsloth"]
-    if smoke:
-        ok = state["cpu_backend"] and abs(record["loss"] - meta["hf_loss"]) <= 1e-4
-    else:
-        ok = (not state["cpu_backend"] and state["device_type"] == "cuda" and state["offloading_checkpoint"]
-              and bool(state.get("checkpointed_layers")) and abs(record["loss"] - meta["hf_loss"]) <= 0.02)
-    return {"check": "unsloth-env", "ok": ok, "loss": record["loss"], "hf_loss": meta["hf_loss"],
-            "peak_gib": record.get("peak_gib"), "unsloth": state, "versions": record["versions"]}
+        return [{"check": "unsloth-env", "ok": False, "stage": "save", "error": tail}]
+    checks = []
+    for qlora in (False, True):
+        name = f"unsloth-env/{'nf4' if qlora else 'bf16'}"
+        hf_loss = meta["hf_loss_nf4" if qlora else "hf_loss"]
+        try:
+            record, tail = run_child(["--one", "unsloth", str(length), "--unsloth-model-dir", model_dir,
+                                      *smoke_flag, *["--qlora"] * qlora], timeout)
+        except subprocess.TimeoutExpired:
+            record, tail = None, f"timeout {timeout} s"
+        if record is None:
+            checks.append({"check": name, "ok": False, "stage": "unsloth", "error": tail, "hf_loss": hf_loss})
+            continue
+        state = record["unsloth"]
+        if smoke:
+            ok = state["cpu_backend"] and abs(record["loss"] - hf_loss) <= (1e-3 if qlora else 1e-4)
+        else:
+            ok = (not state["cpu_backend"] and state["device_type"] == "cuda" and state["offloading_checkpoint"]
+                  and bool(state.get("checkpointed_layers")) and abs(record["loss"] - hf_loss) <= 0.02)
+        checks.append({"check": name, "ok": ok, "loss": record["loss"], "hf_loss": hf_loss,
+                       "peak_gib": record.get("peak_gib"), "step_s": record["step_s"], "unsloth": state,
+                       "versions": record["versions"]})
+    return checks
 
 
 def offloaded(record: dict) -> str:
@@ -405,7 +423,8 @@ def main() -> None:
         return
     if args.check_unsloth_env:
         check_dir = args.unsloth_model_dir or os.path.join(tempfile.gettempdir(), "foak_long_context_check")
-        print("CHECK " + json.dumps(check_unsloth_env(check_dir, args.timeout, args.cpu_smoke)), flush=True)
+        for check in check_unsloth_env(check_dir, args.timeout, args.cpu_smoke):
+            print("CHECK " + json.dumps(check), flush=True)
         return
     if args.save_checkpoint:
         print("RESULT " + json.dumps(save_checkpoint(args.save_checkpoint, dims, args.cpu_smoke, args.loss_length)))
