@@ -223,7 +223,9 @@ def unsloth_state(model) -> dict:
              "cpu_backend": bool(getattr(unsloth, "_IS_CPU_BACKEND", False)),
              "gradient_checkpointing": str(getattr(model, "_unsloth_gradient_checkpointing", None)),
              "offloading_checkpoint": torch.utils.checkpoint.CheckpointFunction.__name__ == "UnslothCheckpointFunction",
-             "embedding_device": str(model.get_input_embeddings().weight.device)}
+             "embedding_device": str(model.get_input_embeddings().weight.device),
+             "tiled_mlp_modules": sum(name.endswith(".mlp") and "_unsloth_forward" in vars(module)
+                                      for name, module in model.named_modules())}
     gc = sys.modules.get("unsloth_zoo.gradient_checkpointing")
     if gc is not None:
         buffers = [b for b in getattr(gc, "CPU_BUFFERS", None) or [] if torch.is_tensor(b)]
@@ -333,7 +335,8 @@ def offloaded(record: dict) -> str:
     o, u = record.get("offload"), record.get("unsloth")
     if u:  # Unsloth's checkpointing as it reports itself
         return (f"unsloth {u['device_type']}{' CPU backend' if u['cpu_backend'] else ''}, checkpointing "
-                f"{u['gradient_checkpointing']}, offloading {u['offloading_checkpoint']}"
+                f"{u['gradient_checkpointing']}, offloading {u['offloading_checkpoint']}, "
+                f"{u['tiled_mlp_modules']} tiled MLPs, embedding on {u['embedding_device']}"
                 + (f", {u['host_buffer_gib']:.1f} GiB host buffers" if "host_buffer_gib" in u else ""))
     return "" if not o else (f"{o['offloaded_layers']} of {o['layers']} layers offloaded "
                              f"({o['offloaded_bytes'] / 2**30:.1f} GiB pinned)")
