@@ -15,7 +15,8 @@ inputs in pinned host memory; ``--offload-budget-gib`` caps it, default half the
 how many layers were offloaded and how many bytes.
 
 Frameworks: none (HF alone), liger, foak (foak.patch defaults), foak-tiled (defaults + tiled_mlp), foak-long
-(defaults + both: what `foak train --long_context` runs), unsloth and unsloth-tiled (see below).
+(defaults + both: what `foak train --long_context` runs), unsloth and unsloth-tiled (see below). A foak framework
+with ``+cudnn`` (e.g. ``foak-long+cudnn``) adds the cudnn_attention switch (SDPA's cuDNN attention first).
 
 Framework ``unsloth``: Unsloth's own path, as its users run it: ``FastLanguageModel.from_pretrained`` (bf16, or
 ``load_in_4bit`` with --qlora) and ``get_peft_model`` (LoRA r16 on every linear layer) with
@@ -135,7 +136,10 @@ def one_run(framework: str, length: int, reentrant: bool, smoke: bool, budget_gi
     model.enable_input_require_grads()
     model.train()
     report = None
-    if framework in ("foak", "foak-offload", "foak-tiled", "foak-long"):
+    base, _, option = framework.partition("+")  # e.g. foak-long+cudnn: + the cudnn_attention switch
+    if option not in ("", "cudnn"):
+        raise ValueError(f"framework {framework!r}: the only option is +cudnn")
+    if base in ("foak", "foak-offload", "foak-tiled", "foak-long"):
         import foak
         from foak.config import config_from_kwargs
         from foak.patching import default_config
@@ -143,10 +147,12 @@ def one_run(framework: str, length: int, reentrant: bool, smoke: bool, budget_gi
         # foak-offload: + offload_activations; foak-tiled: + tiled_mlp (chunks of the hidden size); foak-long: both
         acceleration = default_config(model)
         extra = {}
-        if framework in ("foak-offload", "foak-long"):
+        if base in ("foak-offload", "foak-long"):
             extra.update(offload_activations=True, offload_budget_gib=budget_gib)
-        if framework in ("foak-tiled", "foak-long"):
+        if base in ("foak-tiled", "foak-long"):
             extra.update(tiled_mlp=True)
+        if option == "cudnn":
+            extra.update(fast_packed_attention=True, cudnn_attention=True)
         if extra:
             switches = {**acceleration.model_dump(exclude={"mode"}), **extra}
             acceleration = config_from_kwargs(acceleration.mode, **switches)
@@ -155,7 +161,7 @@ def one_run(framework: str, length: int, reentrant: bool, smoke: bool, budget_gi
     record = measure(model, framework, length, ids, smoke, warmup, qlora, reentrant)
     if report is not None:
         record["report"] = str(report)
-    if framework in ("foak-offload", "foak-long"):
+    if base in ("foak-offload", "foak-long"):
         from foak.patching.offload import state_of
 
         stacks = [m for m in model.modules() if "offloaded_layers" in state_of(m)]
