@@ -19,6 +19,7 @@ import trl.trainer.utils as trl_utils
 from trl.kernels.chunked_logprob import ChunkedLogProbFunction
 
 import foak
+from foak.integrations.trl import OTHER_MODEL
 import foak.integrations.trl as foak_trl
 import foak.ops.linear_cross_entropy as lce_module
 from foak.data import char_tokenizer
@@ -134,9 +135,11 @@ def test_sft_trainer_step_runs_foaks_loss_and_matches_the_unpatched_model(tmp_pa
         monkeypatch.setattr(trl_utils, "_use_triton", lambda device: True)
     run = _sft_step(tmp_path / "foak", patch, packing, checkpointing, kernels)
     assert calls == {"foak": 1, "trl": 0}  # one micro-batch: foak's loss once, TRL's kernel never
-    _assert_same_step(run, _reference(tmp_path, calls, packing, checkpointing))
     row = run[3].result("llama.fused_linear_loss")
     assert row.modules == 1 and row.notes == "served TRL's fused LM head (1 call)"
+    # the unpatched reference run below uses TRL's kernel while the patched model lives: its row counts that
+    _assert_same_step(run, _reference(tmp_path, calls, packing, checkpointing))
+    assert row.notes == "served TRL's fused LM head (1 call); TRL's own kernel ran 1 call: " + OTHER_MODEL
 
 
 @pytest.mark.parametrize("lora,patch", [("model", "foak.patch"), ("trainer", "callback"), ("trainer", "foak.patch")])
@@ -266,15 +269,18 @@ def test_stand_in_hands_what_foak_cannot_compute_to_trl_and_reports_it(calls, mo
     with monkeypatch.context() as m:
         m.setattr("foak.integrations.trl._sharded", lambda w: w is weight)
         _run(stand_in, hidden, weight.detach().clone().requires_grad_(), None, targets, 1.0)
-    other = tiny_model("llama").lm_head.weight  # a model foak did not patch: TRL's kernel, nothing reported
-    _run(stand_in, hidden, other, None, targets, 1.0)
+    other = tiny_model("llama").lm_head.weight  # a model foak did not patch: TRL's kernel, counted in the row
+    with pytest.warns(UserWarning, match="a model foak did not patch"):
+        _run(stand_in, hidden, other, None, targets, 1.0)
     assert calls == {"foak": 0, "trl": 4}
     assert report.result("llama.fused_linear_loss").notes.split("; ") == [
         "TRL's own kernel ran 1 call: outputs ['bogus'] requested (foak computes ['log_probs', 'entropy', "
         "'log_sum_sq_probs', 'mean_logits', 'is_top1'])",
         "TRL's own kernel ran 1 call: lm_head partitioned by DeepSpeed ZeRO-3 (TRL re-gathers it in its backward)",
         "TRL's own kernel ran 1 call: lm_head sharded as a DTensor (FSDP2) and gathered without a gradient (a "
-        "frozen head or a no-grad forward): foak cannot tell TRL's gathered copy from another model's head"]
+        "frozen head or a no-grad forward): foak cannot tell TRL's gathered copy from another model's head",
+        "TRL's own kernel ran 1 call: a model foak did not patch called it (a reference model the trainer loaded "
+        "itself? foak.patch(trainer.ref_model) serves it)"]
 
 
 def test_stand_in_is_installed_while_a_patched_model_exists_and_restored_after():

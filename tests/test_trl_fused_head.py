@@ -13,6 +13,7 @@ import trl.trainer.utils as trl_utils
 from trl.kernels.chunked_logprob import ChunkedLogProbFunction
 
 import foak
+from foak.integrations.trl import OTHER_MODEL
 import foak.ops.linear_cross_entropy as lce_module
 import foak.ops.linear_log_probs as llp_module
 from foak.models.tiny import tiny_model
@@ -185,7 +186,8 @@ def test_fused_lm_head_of_a_patched_model_matches_trl_on_the_unpatched_twin(call
     assert grads.keys() == ref_grads.keys()
     for name, want in ref_grads.items():
         assert relative_error(grads[name], want) < 1e-5, name
-    assert rule.notes == "served TRL's fused LM head (1 call)"
+    # the unpatched twin ran TRL's kernel while the patched model lives: counted in its row
+    assert rule.notes == "served TRL's fused LM head (1 call); TRL's own kernel ran 1 call: " + OTHER_MODEL
 
 
 def _count_saved(fn):
@@ -230,7 +232,8 @@ def test_reference_forward_is_served_in_no_grad_mode_and_saves_nothing(calls, re
             policy_out = ref_model(**inputs, labels=labels, fused_lm_head=True)
         assert relative_error(policy_out.log_probs, want) > 1e-3 and policy_out.mean_logits is not None
     served = 2 if reference == "peft adapter disabled" else 1
-    assert calls["trl"] == 1 and rule.notes == f"served TRL's fused LM head ({served} call{'s' * (served > 1)})"
+    assert calls["trl"] == 1 and rule.notes == (f"served TRL's fused LM head ({served} call{'s' * (served > 1)}); "
+                                                "TRL's own kernel ran 1 call: " + OTHER_MODEL)  # (the twin)
 
 
 def test_training_forward_saves_no_logits(calls):

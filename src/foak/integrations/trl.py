@@ -24,7 +24,7 @@ calls)"). foak hands the call to TRL's own function, counting it in that row wit
 once), for an output name foak does not know, a zero or non-finite temperature or logit scale, an lm_head
 partitioned by DeepSpeed ZeRO-3, or one sharded by FSDP2 and gathered without a gradient (a frozen head, a
 no-grad forward: TRL passes a gathered copy foak cannot tell from another model's head; a trained FSDP2 head's
-copy is recognised through its autograd graph and served). A model foak did not patch always gets TRL's function. The global is installed once
+copy is recognised through its autograd graph and served). A model foak did not patch always gets TRL's function (each patched model's row counts those calls). The global is installed once
 per process (when TRL is imported after foak.patch, by an import hook as trl.trainer.utils loads),
 ref-counted, and restored when the last patched model is restored or garbage-collected.
 """
@@ -154,7 +154,7 @@ class _ThenSync:
 _HOOK = _TrlImportHook()
 
 
-def _served_head(weight) -> _Head | None:
+def _served_head(weight) -> _Head | bool | None:
     with _lock:
         heads = [(head, head.module()) for head in _heads.values()]
     for head, module in heads:
@@ -171,7 +171,16 @@ def _served_head(weight) -> _Head | None:
         head.count_fallback("lm_head sharded as a DTensor (FSDP2) and gathered without a gradient (a frozen "
                             "head or a no-grad forward): foak cannot tell TRL's gathered copy from another "
                             "model's head")
+    if sharded:
+        return False  # (counted)
+    for head, module in heads:  # e.g. the reference model a DPO/GRPO/RLOO trainer loaded itself
+        if module is not None:
+            head.count_fallback(OTHER_MODEL)
     return None
+
+
+OTHER_MODEL = ("a model foak did not patch called it (a reference model the trainer loaded itself? "
+               "foak.patch(trainer.ref_model) serves it)")
 
 
 def _gathered_from(weight, parameter, depth: int = 8) -> bool:
@@ -233,7 +242,7 @@ class _FoakChunkedLogProb:
         trl_args = (hidden, weight, bias, targets, temperature, chunk_size, final_logit_softcapping, logit_scale,
                     outputs)
         head = _served_head(weight)
-        if head is None:  # a model foak did not patch
+        if not head:  # a model foak did not patch (counted in the patched models' rows), or a sharded head
             return self.original.apply(*trl_args)
         reason = _cannot_serve(hidden, weight, bias, temperature, final_logit_softcapping, logit_scale, outputs)
         if reason:
