@@ -14,6 +14,7 @@ flash kernel there); the GPU backends are measured by benchmarks/packing.py. No 
 from __future__ import annotations
 
 import copy
+import functools
 import gc
 
 import pytest
@@ -424,3 +425,117 @@ def test_bad_inputs_are_errors():
         va.sequences_from_lengths((3, 4, 1), batch=2)
     with pytest.raises(ValueError, match="integer tensor"):
         va.packed_sequences(torch.zeros(2, 3))
+
+
+# ---- attention sinks (gpt-oss): a sink logit per head joins every softmax row ---------------------------
+
+
+def _sink_case(dtype, lengths=(5, 1, 12, 3, 1, 9), batch=1, heads=(6, 2), seed=0):
+    seqs = va.sequences_from_lengths(lengths, batch=batch)
+    g = torch.Generator().manual_seed(seed)
+    T = sum(lengths)
+    q, k, v = (torch.randn(T, h, 8, generator=g, dtype=torch.float64) for h in (heads[0], heads[1], heads[1]))
+    sinks = torch.randn(heads[0], generator=g, dtype=torch.float64) * 2
+    grad = torch.randn(T, heads[0], 8, generator=g, dtype=torch.float64)
+    ref_leaves = [t.clone().requires_grad_() for t in (q, k, v, sinks)]
+    return seqs, (q, k, v, sinks), grad, ref_leaves
+
+
+def _check_sinks_against_fp64(run, dtype, window, tol, **case):
+    seqs, inputs, grad, ref_leaves = _sink_case(dtype, **case)
+    leaves = [t.to(dtype).requires_grad_() for t in inputs]
+    out = run(*leaves[:3], seqs, scale=0.3, window=window, sinks=leaves[3])
+    ref = va.varlen_attention_reference(*ref_leaves[:3], seqs, scale=0.3, window=window, sinks=ref_leaves[3])
+    out.backward(grad.to(dtype))
+    ref.backward(grad)
+    assert out.dtype == dtype and relative_error(out, ref) <= tol
+    for name, a, b in zip(("q", "k", "v", "sinks"), leaves, ref_leaves):
+        assert a.grad.dtype == dtype and relative_error(a.grad, b.grad) <= tol, name
+    return out, ref
+
+
+@pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-6), (torch.bfloat16, 2e-2)])
+@pytest.mark.parametrize("window", [None, 4, 100])
+def test_sinks_sdpa_backend_matches_fp64_softmax_over_scores_and_sink(dtype, tol, window):
+    # the CPU path: torch's CPU flash entry points per sequence (out, lse), the sink joined from lse; odd
+    # lengths, sequences of one token, GQA (6 query heads on 2 K/V heads), a window shorter than some sequences
+    run = functools.partial(va.varlen_attention, backend="sdpa")
+    out, ref = _check_sinks_against_fp64(run, dtype, window, tol, batch=1)
+    # the sink really takes probability: without it the output differs
+    seqs, (q, k, v, _), _, _ = _sink_case(dtype)
+    plain = va.varlen_attention_reference(q, k, v, seqs, scale=0.3, window=window)
+    assert relative_error(plain, ref) > 0.05
+
+
+def test_sinks_of_several_rows_and_the_math_fallback():
+    # two rows of packed sequences (a sequence ends at each row end); the explicit-math path (fp32 off the CPU)
+    run = functools.partial(va.varlen_attention, backend="sdpa")
+    _check_sinks_against_fp64(run, torch.float32, 3, 1e-6, lengths=(5, 6, 3, 7, 1), batch=2, heads=(4, 4))
+    def math(q, k, v, seqs, scale, window, sinks):
+        return va._math_sinks(q, k, v, seqs, scale, window, sinks)
+
+    _check_sinks_against_fp64(math, torch.float32, 3, 1e-6, lengths=(5, 6, 3, 7, 1), batch=2, heads=(4, 2))
+
+
+def _cpu_flash_varlen_forward(q, k, v, cu, cu_k, max_q, max_k, dropout, causal, debug, *, scale,
+                              window_size_left, window_size_right):
+    """aten's CUDA varlen flash forward emulated on the CPU (its layouts: out [T, H, D], lse [H, T])."""
+    assert causal and dropout == 0.0 and (window_size_right in (None, 0))
+    window = None if window_size_left is None else window_size_left + 1
+    group = q.shape[1] // k.shape[1]
+    outs, lses = [], []
+    bounds = cu.tolist()
+    for start, end in zip(bounds[:-1], bounds[1:]):
+        n = end - start
+        qs, ks, vs = (va._heads_first(t, start, n, gr) for t, gr in ((q, 1), (k, group), (v, group)))
+        mask = va._band_mask(n, window, q)
+        o, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(qs, ks, vs, 0.0, mask is None,
+                                                                           attn_mask=mask, scale=scale)
+        outs.append(o[0].transpose(0, 1))
+        lses.append(lse[0].float())
+    empty = torch.empty(0)
+    return torch.cat(outs), torch.cat(lses, 1), empty, empty, empty
+
+
+def _cpu_flash_varlen_backward(dout, q, k, v, out, lse, cu, cu_k, max_q, max_k, dropout, causal, rng, unused, *,
+                               scale, window_size_left, window_size_right):
+    window = None if window_size_left is None else window_size_left + 1
+    Hkv = k.shape[1]
+    group = q.shape[1] // Hkv
+    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    bounds = cu.tolist()
+    for start, end in zip(bounds[:-1], bounds[1:]):
+        n = end - start
+        qs, ks, vs = (va._heads_first(t, start, n, gr) for t, gr in ((q, 1), (k, group), (v, group)))
+        dos, os_ = (va._heads_first(t, start, n, 1) for t in (dout, out))
+        mask = va._band_mask(n, window, q)
+        gq, gk, gv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+            dos, qs, ks, vs, os_, lse[None, :, start:end].to(q.dtype if q.dtype == torch.float64 else torch.float32)
+            .contiguous(), 0.0, mask is None, attn_mask=mask, scale=scale)
+        dq[start:end] = gq[0].transpose(0, 1)
+        dk[start:end] = gk[0].reshape(Hkv, group, n, -1).sum(1).transpose(0, 1)
+        dv[start:end] = gv[0].reshape(Hkv, group, n, -1).sum(1).transpose(0, 1)
+    return dq, dk, dv
+
+
+@pytest.mark.parametrize("window", [None, 4])
+def test_sinks_flash_glue_with_the_cuda_kernel_emulated_on_the_cpu(monkeypatch, window):
+    # the flash path's own code (sink joined to the kernel's [H, T] lse, the kernel's backward called with the
+    # final out and lse, d sinks) with aten's varlen flash kernel replaced by the CPU flash per sequence
+    monkeypatch.setattr(va, "_aten_flash_forward", _cpu_flash_varlen_forward)
+    monkeypatch.setattr(va, "_aten_flash_backward", _cpu_flash_varlen_backward)
+
+    def run(q, k, v, seqs, scale, window, sinks):
+        return va._flash_sinks(q, k, v, seqs, scale, window, sinks)
+
+    _check_sinks_against_fp64(run, torch.float32, window, 1e-6)
+    _check_sinks_against_fp64(run, torch.bfloat16, window, 2e-2, lengths=(5, 6, 3, 7, 1), batch=2)
+
+
+def test_sinks_bad_inputs_are_errors():
+    seqs = va.sequences_from_lengths((3, 4))
+    q, k = torch.randn(7, 4, 8), torch.randn(7, 2, 8)
+    with pytest.raises(ValueError, match=r"sinks must be a floating tensor \[4\]"):
+        va.varlen_attention(q, k, k, seqs, sinks=torch.zeros(2))
+    with pytest.raises(ValueError, match="backend 'flex' takes no attention sinks"):
+        va.varlen_attention(q, k, k, seqs, sinks=torch.zeros(4), backend="flex")

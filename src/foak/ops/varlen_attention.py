@@ -22,6 +22,16 @@ tensors with a head dim it takes, ``sdpa`` otherwise. A forced backend that cann
 ValueError, never a silent switch. :func:`varlen_attention_reference` is the explicit fp32/fp64 math the
 tests compare every backend with.
 
+Attention sinks (``sinks``: one learned logit per query head, gpt-oss): each query row's softmax gets one more
+key whose score is the head's sink logit and whose value is 0. From a backend's normalised output ``o`` and
+its log-sum-exp ``lse`` (scaled scores), ``lse_tot = logaddexp(lse, sink)`` and ``out = o * exp(lse - lse_tot)``.
+The backward is the backend's own with the final ``out`` and ``lse_tot`` in place of its ``o`` and ``lse`` (the
+sink's value is 0, so dq, dk, dv are exactly those of the larger softmax), and ``d sink = -sum over rows of
+rowsum(dout * out) * exp(sink - lse_tot)``. ``flash`` computes it so on CUDA; ``sdpa`` with sinks runs torch's
+CPU flash entry points per sequence on the CPU (``_scaled_dot_product_flash_attention_for_cpu`` and its
+backward, which give ``lse`` too) and explicit math per sequence elsewhere (fp32 on CUDA). ``varlen_attn`` and
+``flex`` take no sinks (a ValueError).
+
 Sequences are found as transformers finds them (``masking_utils.find_packed_sequence_indices``): a new
 sequence starts at each row start and wherever a position id is not the previous one plus 1.
 """
@@ -218,9 +228,10 @@ def sequences_from_lengths(lengths, device=None, batch: int = 1) -> PackedSequen
 
 
 def varlen_attention_reference(q, k, v, seqs: PackedSequences, scale: float | None = None,
-                               window: int | None = None) -> torch.Tensor:
+                               window: int | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
     """Explicit causal softmax attention per sequence in the inputs' dtype (pass fp32/fp64 copies): scores,
-    a causal (and window) mask, softmax, weighted sum; K/V heads indexed per query head. [T, Hq, D]."""
+    a causal (and window) mask, softmax, weighted sum; K/V heads indexed per query head. ``sinks`` ([Hq]): one
+    more column per query row holding the head's sink logit, dropped after the softmax. [T, Hq, D]."""
     T, Hq, D = q.shape
     group = Hq // k.shape[1]
     scale = 1.0 / math.sqrt(D) if scale is None else scale
@@ -235,7 +246,12 @@ def varlen_attention_reference(q, k, v, seqs: PackedSequences, scale: float | No
         if window is not None:
             allowed &= i[:, None] - i[None, :] < window
         scores = scores.masked_fill(~allowed, float("-inf"))
-        outs.append((scores.softmax(-1) @ vs).transpose(0, 1))
+        if sinks is not None:
+            column = sinks.to(scores.dtype)[:, None, None].expand(-1, n, 1)
+            probs = torch.cat([scores, column], -1).softmax(-1)[..., :-1]
+        else:
+            probs = scores.softmax(-1)
+        outs.append((probs @ vs).transpose(0, 1))
     return torch.cat(outs)
 
 
@@ -288,6 +304,160 @@ def _flash(q, k, v, seqs, scale, window):
         scale = 1.0 / math.sqrt(q.shape[-1])
     window_left = None if window is None or window >= seqs.max_seqlen else window - 1
     return _FlashVarlen.apply(q, k, v, seqs.cu_seqlens, seqs.max_seqlen, scale, window_left)
+
+
+# ---- attention sinks ------------------------------------------------------------------------------------
+
+
+def _sink_combine(o, lse, sinks):
+    """(out, lse_tot): a backend's normalised output ``o`` [T, H, D] and its log-sum-exp ``lse`` [H, T] with
+    each head's sink logit joined to every row's softmax (a key of value 0). lse_tot in fp32 (fp64 for fp64)."""
+    dtype = torch.promote_types(lse.dtype, torch.float32)
+    lse = lse.to(dtype)
+    lse_tot = torch.logaddexp(lse, sinks.detach().to(dtype)[:, None])
+    out = (o.to(dtype) * torch.exp(lse - lse_tot).t()[..., None]).to(o.dtype)
+    return out, lse_tot
+
+
+def _sink_grad(dout, out, lse_tot, sinks):
+    """d sink_h = -sum over rows of rowsum(dout * out) * p_sink (p_sink = exp(sink - lse_tot)), [H]."""
+    dtype = lse_tot.dtype
+    rows = (dout.to(dtype) * out.to(dtype)).sum(-1)  # [T, H]
+    p_sink = torch.exp(sinks.detach().to(dtype)[:, None] - lse_tot)  # [H, T]
+    return -(rows.t() * p_sink).sum(1).to(sinks.dtype)
+
+
+def _lse_per_token(lse, seqs):
+    """The flash kernel's log-sum-exp as [H, T]: its varlen layout is [H, T]; older ones are [N, H, max_seqlen]."""
+    if lse.dim() == 2:
+        return lse
+    return torch.cat([lse[i, :, :n] for i, n in enumerate(seqs.lengths)], 1)
+
+
+def _lse_kernel_layout(lse_tokens, shape, seqs):
+    if len(shape) == 2:
+        return lse_tokens.contiguous()
+    out = lse_tokens.new_zeros(shape)
+    for i, (start, n) in enumerate(zip(seqs.starts, seqs.lengths)):
+        out[i, :, :n] = lse_tokens[:, start:start + n]
+    return out
+
+
+def _aten_flash_forward(*args, **kwargs):  # a name of this module's own, which the tests replace on the CPU
+    return torch.ops.aten._flash_attention_forward(*args, **kwargs)
+
+
+def _aten_flash_backward(*args, **kwargs):
+    return torch.ops.aten._flash_attention_backward(*args, **kwargs)
+
+
+class _FlashVarlenSinks(torch.autograd.Function):
+    """aten's FlashAttention-2 varlen forward/backward with a sink logit per head joined to every softmax row."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, sinks, seqs, scale, window_left):
+        cu = seqs.cu_seqlens
+        o, lse, rng_state, unused, _ = _aten_flash_forward(
+            q, k, v, cu, cu, seqs.max_seqlen, seqs.max_seqlen, 0.0, True, False, scale=scale,
+            window_size_left=window_left, window_size_right=0 if window_left is not None else None)
+        out, lse_tot = _sink_combine(o, _lse_per_token(lse, seqs), sinks)
+        ctx.save_for_backward(q, k, v, sinks, out, lse_tot, rng_state, unused)
+        ctx.seqs, ctx.scale, ctx.window_left, ctx.lse_shape = seqs, scale, window_left, tuple(lse.shape)
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        q, k, v, sinks, out, lse_tot, rng_state, unused = ctx.saved_tensors
+        seqs, window_left = ctx.seqs, ctx.window_left
+        dout = dout.contiguous()
+        cu = seqs.cu_seqlens
+        dq, dk, dv = _aten_flash_backward(
+            dout, q, k, v, out, _lse_kernel_layout(lse_tot, ctx.lse_shape, seqs), cu, cu, seqs.max_seqlen,
+            seqs.max_seqlen, 0.0, True, rng_state, unused, scale=ctx.scale, window_size_left=window_left,
+            window_size_right=0 if window_left is not None else None)
+        dsinks = _sink_grad(dout, out, lse_tot, sinks) if ctx.needs_input_grad[3] else None
+        return dq, dk, dv, dsinks, None, None, None
+
+
+def _flash_sinks(q, k, v, seqs, scale, window, sinks):
+    if scale is None:
+        scale = 1.0 / math.sqrt(q.shape[-1])
+    window_left = None if window is None or window >= seqs.max_seqlen else window - 1
+    return _FlashVarlenSinks.apply(q, k, v, sinks, seqs, scale, window_left)
+
+
+def _band_mask(n, window, like):
+    """None (plain causal) or the additive causal band mask of a sequence longer than the window."""
+    if window is None or n <= window:
+        return None
+    i = torch.arange(n, device=like.device)
+    allowed = (i[:, None] >= i[None, :]) & (i[:, None] - i[None, :] < window)
+    return torch.zeros((n, n), dtype=like.dtype, device=like.device).masked_fill(~allowed, float("-inf"))
+
+
+def _heads_first(t, start, n, group):
+    """[1, H * group, n, D] (contiguous) of one sequence's tokens; K/V repeated to the query heads."""
+    t = t[start:start + n].transpose(0, 1)
+    if group > 1:
+        t = t.repeat_interleave(group, 0)
+    return t.contiguous()[None]
+
+
+class _CpuFlashSinks(torch.autograd.Function):
+    """torch's CPU flash attention (which returns the log-sum-exp) once per sequence, with sinks."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, sinks, seqs, scale, window):
+        group = q.shape[1] // k.shape[1]
+        outs, lses = [], []
+        for start, n in zip(seqs.starts, seqs.lengths):
+            qs, ks, vs = (_heads_first(t, start, n, g) for t, g in ((q, 1), (k, group), (v, group)))
+            mask = _band_mask(n, window, q)
+            o, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+                qs, ks, vs, 0.0, mask is None, attn_mask=mask, scale=scale)
+            outs.append(o[0].transpose(0, 1))
+            lses.append(lse[0])
+        out, lse_tot = _sink_combine(torch.cat(outs), torch.cat(lses, 1), sinks)
+        ctx.save_for_backward(q, k, v, sinks, out, lse_tot)
+        ctx.seqs, ctx.scale, ctx.window = seqs, scale, window
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        q, k, v, sinks, out, lse_tot = ctx.saved_tensors
+        seqs, window = ctx.seqs, ctx.window
+        Hkv = k.shape[1]
+        group = q.shape[1] // Hkv
+        dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+        for start, n in zip(seqs.starts, seqs.lengths):
+            qs, ks, vs = (_heads_first(t, start, n, g) for t, g in ((q, 1), (k, group), (v, group)))
+            dos, os_ = (_heads_first(t, start, n, 1) for t in (dout, out))
+            mask = _band_mask(n, window, q)
+            g_q, g_k, g_v = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+                dos, qs, ks, vs, os_, lse_tot[None, :, start:start + n].contiguous(), 0.0, mask is None,
+                attn_mask=mask, scale=ctx.scale)
+            dq[start:start + n] = g_q[0].transpose(0, 1)
+            dk[start:start + n] = g_k[0].reshape(Hkv, group, n, -1).sum(1).transpose(0, 1)
+            dv[start:start + n] = g_v[0].reshape(Hkv, group, n, -1).sum(1).transpose(0, 1)
+        dsinks = _sink_grad(dout, out, lse_tot, sinks) if ctx.needs_input_grad[3] else None
+        return dq, dk, dv, dsinks, None, None, None
+
+
+def _sdpa_sinks(q, k, v, seqs, scale, window, sinks):
+    if q.device.type == "cpu":
+        return _CpuFlashSinks.apply(q, k, v, sinks, seqs, scale, window)
+    return _math_sinks(q, k, v, seqs, scale, window, sinks)
+
+
+def _math_sinks(q, k, v, seqs, scale, window, sinks):
+    """Explicit fp32 math per sequence ([H, n, n + 1] scores at a time), under autograd: the path of sinks for
+    tensors the flash kernels do not take off the CPU (fp32 on CUDA)."""
+    dtype = torch.promote_types(q.dtype, torch.float32)
+    out = varlen_attention_reference(q.to(dtype), k.to(dtype), v.to(dtype), seqs, scale, window, sinks)
+    return out.to(q.dtype)
+
+
+_SINK_IMPLEMENTATIONS = {"flash": _flash_sinks, "sdpa": _sdpa_sinks}
 
 
 def _varlen_attn(q, k, v, seqs, scale, window):
@@ -390,20 +560,38 @@ def _check_window(window) -> None:
         raise ValueError(f"varlen_attention: window must be a positive int or None, got {window!r}")
 
 
+def _check_sinks(sinks, q) -> None:
+    if sinks is None:
+        return
+    if not isinstance(sinks, torch.Tensor) or sinks.dim() != 1 or sinks.shape[0] != q.shape[1] or \
+            not sinks.is_floating_point() or sinks.device != q.device:
+        raise ValueError(f"varlen_attention: sinks must be a floating tensor [{q.shape[1]}] (one logit per query "
+                         f"head) on {q.device}, got {type(sinks).__name__} {tuple(getattr(sinks, 'shape', ()))}"
+                         + (f" on {sinks.device}" if isinstance(sinks, torch.Tensor) else ""))
+
+
 def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seqs: PackedSequences, *,
-                     scale: float | None = None, window: int | None = None, backend: str | None = None
-                     ) -> torch.Tensor:
+                     scale: float | None = None, window: int | None = None, backend: str | None = None,
+                     sinks: torch.Tensor | None = None) -> torch.Tensor:
     """Causal attention of every packed sequence with itself only.
 
     ``q``: [T, Hq, D]; ``k``, ``v``: [T, Hkv, D] (Hq a multiple of Hkv: GQA, K/V never repeated by foak), T =
     ``seqs.total`` tokens in row order. ``scale``: default 1/sqrt(D). ``window``: a token attends to itself
     and the ``window - 1`` before it (transformers' ``sliding_window``), None for none. ``backend``: see the
-    module docstring (default: the setting). Returns [T, Hq, D] in q's dtype; differentiable in q, k, v."""
+    module docstring (default: the setting). ``sinks``: [Hq] attention-sink logits (gpt-oss; see the module
+    docstring), backends ``flash`` and ``sdpa`` only. Returns [T, Hq, D] in q's dtype; differentiable in q, k, v
+    (and sinks)."""
     _check_qkv(q, k, v)
     if q.shape[0] != seqs.total:
         raise ValueError(f"varlen_attention: {q.shape[0]} tokens, but the sequences hold {seqs.total}")
     _check_window(window)
+    _check_sinks(sinks, q)
     name = resolve_backend(q, v, backend)
+    if sinks is not None:
+        if name not in _SINK_IMPLEMENTATIONS:
+            raise ValueError(f"varlen_attention: backend {name!r} takes no attention sinks; use 'auto', 'flash' "
+                             "or 'sdpa'")
+        return _SINK_IMPLEMENTATIONS[name](q, k, v, seqs, scale, window, sinks)
     return _IMPLEMENTATIONS[name](q, k, v, seqs, scale, window)
 
 
