@@ -1,8 +1,9 @@
 """gpt-oss beyond the architecture matrix: its RoPE (cos/sin with one value per frequency) through foak's rope
 kernel, its RMSNorm's casting (``(weight * x_hat).to(input dtype)``, fp32 weights beside bf16 activations),
 which experts modules foak's fast_moe takes (alpha/limit read per call, clamps active; a changed layout flag or
-an overridden gate keep transformers' forward, counted or reported with the reason), attention sinks declined
-by the packed attention rule, and a bf16 model on the Triton kernels (interpreter)."""
+an overridden gate keep transformers' forward, counted or reported with the reason), the packed attention rule
+taking the attention with its sinks (tests/test_sink_attention.py checks it), and a bf16 model on the Triton
+kernels (interpreter)."""
 
 from __future__ import annotations
 
@@ -141,12 +142,12 @@ def test_overridden_gate_is_not_patched():
     assert row.modules == 0 and "2 OtherGate modules not patched: interleaved gate/up" in row.note, str(report)
 
 
-def test_packed_attention_declines_attention_sinks():
+def test_packed_attention_takes_the_attention_with_its_sinks():
     model = tiny_model("gpt_oss")
     report = patch(model)
     row = next(r for r in report.results if r.rule_id == "gpt_oss.packed_attention")
-    assert row.modules == 0 and "attention sinks (GptOssAttention.sinks)" in row.note, str(report)
-    assert model.config._attn_implementation == "eager"  # not switched to foak's
+    assert row.modules == 1, str(report)
+    assert model.config._attn_implementation == "foak"  # switched from eager to foak's
 
 
 def test_bf16_model_on_the_kernels():

@@ -42,14 +42,23 @@ returns None for the plain sliding-window mask (no overlay, no offsets, the batc
 called with ``sliding_window`` and no mask runs ``varlen_attention`` with the window. Full-attention layers get
 transformers' mask and the previous implementation as before (bit-identical). Whether the window covers the
 whole sequence or not, the path is the same (then it is plain causal attention, as flash computes it). A call
-it cannot take (positional arguments, output_attentions, softcap, ``s_aux`` sinks, dropout, a cache with
-earlier tokens) gets transformers' sliding-window mask after all (built from the arguments the mask function
+it cannot take (positional arguments, output_attentions, softcap, sinks not given as ``s_aux``, dropout, a cache
+with earlier tokens) gets transformers' sliding-window mask after all (built from the arguments the mask function
 recorded, once per forward) and the previous implementation, counted with the reason. Whole batches that keep
-transformers' mask, counted per sliding-window call: attention sinks or a softcap in the model (gpt-oss,
-Gemma2), attention dropout in training, a cache holding earlier tokens, a padding mask with gaps, left padding
-under ``eager`` (eager's mask makes a padding position's softmax uniform over the whole row, and the usual
-shifted labels read that position's output), a prepared 4-D mask, and torch.compile (no host read while
-tracing; not counted: compiled calls never are). A layer recomputed in the backward (gradient checkpointing,
+transformers' mask, counted per sliding-window call: a softcap in the model (Gemma2), attention dropout in
+training, a cache holding earlier tokens, a padding mask with gaps, left padding under ``eager`` (eager's mask
+makes a padding position's softmax uniform over the whole row, and the usual shifted labels read that
+position's output), a prepared 4-D mask, and torch.compile (no host read while tracing; not counted: compiled
+calls never are).
+
+Attention sinks (gpt-oss: a learned logit per head, ``module.sinks``, that transformers passes as ``s_aux``)
+are ``varlen_attention``'s ``sinks``: packed batches run as above, and since such a model's previous
+implementation is ``eager`` (scores [B, H, S, S]), its unpacked batches run EVERY layer through varlen attention,
+the full-attention layers too (their plain causal mask is not built either: ``_WindowBatch.full``). Left padding
+is taken under eager then: with a sink, eager's softmax of a query that sees no token puts all its weight on the
+sink (output zeros, as foak's). Under torch.compile a model with sinks keeps transformers' masks and eager (the
+op that reads the position ids at run time takes no sinks). transformers' own gpt-oss does not keep packed
+sequences apart (its masks are built without the position ids); foak does, as transformers' flash path does. A layer recomputed in the backward (gradient checkpointing,
 reentrant or not) finds its batch through the position ids it receives (each such forward gets ids of its own,
 copied if given; see ``_WINDOWS``).
 
@@ -102,14 +111,18 @@ class _Counts:
         self.row, self.previous = row, previous
         self.packed: dict[str, int] = {}  # backend -> calls
         self.windowed: dict[str, int] = {}  # backend -> calls of sliding-window layers on unpacked batches
+        self.full: dict[str, int] = {}  # backend -> calls of full-attention layers on unpacked batches (sinks)
+        self.sinks = 0  # calls of foak's varlen attention with attention sinks (of any of the above)
         self.other: dict[str, int] = {}  # reason -> calls of the previous implementation
 
-    def count(self, backend: str | None, reason: str | None = None, windowed: bool = False) -> None:
+    def count(self, backend: str | None, reason: str | None = None, windowed: bool = False, full: bool = False,
+              sinks: bool = False) -> None:
         if torch.compiler.is_compiling():
             return
         if backend is not None:
-            ran = self.windowed if windowed else self.packed
+            ran = self.full if full else self.windowed if windowed else self.packed
             ran[backend] = ran.get(backend, 0) + 1
+            self.sinks += bool(sinks)
         else:
             self.other[reason] = self.other.get(reason, 0) + 1
         packed = sum(self.packed.values())
@@ -120,6 +133,12 @@ class _Counts:
             text += (f"; sliding-window layers of unpacked batches: foak varlen attention ran "
                      f"{_calls(sum(self.windowed.values()))} ("
                      + ", ".join(f"{b} {n}" for b, n in sorted(self.windowed.items())) + ")")
+        if self.full:
+            text += (f"; full-attention layers of unpacked batches: foak varlen attention ran "
+                     f"{_calls(sum(self.full.values()))} ("
+                     + ", ".join(f"{b} {n}" for b, n in sorted(self.full.items())) + ")")
+        if self.sinks:
+            text += f"; {_calls(self.sinks)} with attention sinks"
         if self.other:
             reasons = ", ".join(f"{why} ({n})" for why, n in sorted(self.other.items()))
             text += f"; the previous implementation ({self.previous}) ran {_calls(sum(self.other.values()))}: {reasons}"
@@ -207,6 +226,14 @@ def packed_attention_counts(report, rule_id: str) -> tuple[dict[str, int], dict[
     return ({}, {}) if counts is None else (dict(counts.packed), dict(counts.other))
 
 
+def sink_attention_counts(report, rule_id: str) -> tuple[int, dict[str, int]]:
+    """(calls of foak's varlen attention with attention sinks, {backend: calls of full-attention layers of
+    unpacked batches}) of a report's row: a model with sinks (gpt-oss) runs every layer of an unpacked batch
+    through foak's varlen attention."""
+    counts = _COUNTS.get((id(report), rule_id))
+    return (0, {}) if counts is None else (counts.sinks, dict(counts.full))
+
+
 def window_attention_counts(report, rule_id: str) -> dict[str, int]:
     """{backend: calls of sliding-window layers on unpacked batches that foak's varlen attention ran} of a
     report's row (the calls of the previous implementation are in :func:`packed_attention_counts`)."""
@@ -280,18 +307,24 @@ class _WindowBatch:
     that mask after all for a call foak's path declines) and ``mask_reason`` (why a sliding-window mask was
     built anyway)."""
 
-    __slots__ = ("batch", "seq_len", "seqs", "index", "has_mask", "mask_kwargs", "mask_reason", "ids", "_mask")
+    __slots__ = ("batch", "seq_len", "seqs", "index", "has_mask", "mask_kwargs", "mask_reason", "ids", "_mask",
+                 "full", "full_kwargs")
 
-    def __init__(self, batch, seq_len, seqs, index, has_mask):
+    def __init__(self, batch, seq_len, seqs, index, has_mask, full=False):
         self.batch, self.seq_len, self.seqs, self.index, self.has_mask = batch, seq_len, seqs, index, has_mask
         self.mask_kwargs = self.mask_reason = self.ids = None
         self._mask = {}
+        # attention sinks (gpt-oss): the full-attention layers take the path too (their plain causal mask is
+        # not built; full_kwargs: what transformers asked the mask function for, to build it for a declined call)
+        self.full, self.full_kwargs = full, None
 
-    def previous_mask(self, previous: str):
-        """transformers' sliding-window mask for this batch (built once per forward, for a declined call)."""
-        if previous not in self._mask:
-            self._mask[previous] = _hf()[1][previous](**self.mask_kwargs)
-        return self._mask[previous]
+    def previous_mask(self, previous: str, full: bool = False):
+        """transformers' sliding-window (or, ``full``, causal) mask for this batch (built once per forward, for
+        a declined call)."""
+        key = (previous, full)
+        if key not in self._mask:
+            self._mask[key] = _hf()[1][previous](**(self.full_kwargs if full else self.mask_kwargs))
+        return self._mask[key]
 
 
 _WINDOWS: dict[tuple, tuple] = {}  # (device, data_ptr, shape) of position ids -> (the ids, their version, batch)
@@ -332,11 +365,12 @@ def _window_of_config(config) -> int | None:
     return window
 
 
-def _window_batch(config, declines: str | None, mask, past, source, position_ids, dropout: bool, previous: str):
+def _window_batch(config, declines: str | None, mask, past, source, position_ids, dropout: bool, previous: str,
+                  full: bool = False):
     """(_WindowBatch, None) for an unpacked batch whose sliding-window layers foak computes, else (None, why
     not; None where the model has no sliding-window layer). ``config``: the one the attention layers read (a
-    multimodal model's text config)."""
-    if _window_of_config(config) is None:
+    multimodal model's text config). ``full`` (a model with attention sinks): its full-attention layers too."""
+    if _window_of_config(config) is None and not full:
         return None, None
     if declines is not None:
         return None, declines
@@ -368,12 +402,13 @@ def _window_batch(config, declines: str | None, mask, past, source, position_ids
         if found is None:
             return None, "a padding mask that is not left or right padding"
         seqs, index = found
-        if index is not None and previous == "eager" and not bool((host[:, 0] != 0).all()):
+        # (with attention sinks, eager's softmax of such a position puts all its weight on the sink: zeros too)
+        if index is not None and previous == "eager" and not full and not bool((host[:, 0] != 0).all()):
             # transformers' eager mask adds finfo.min to every score of a position before a row's first token:
             # a uniform softmax over the whole row, whose output (and its gradient) the loss sees where the last
             # such position predicts the first token; SDPA, and foak, leave zeros there
             return None, "left padding under eager attention"
-    return _WindowBatch(batch, seq_len, seqs, index, mask is not None), None
+    return _WindowBatch(batch, seq_len, seqs, index, mask is not None, full), None
 
 
 def _plain_sliding_mask(kwargs, window: _WindowBatch) -> str | None:
@@ -395,6 +430,36 @@ def _plain_sliding_mask(kwargs, window: _WindowBatch) -> str | None:
     return None
 
 
+def _plain_full_mask(kwargs, window: _WindowBatch) -> str | None:
+    """None when the mask function was asked for transformers' plain causal mask (with padding at most) of
+    ``window``'s batch (whose full-attention layers foak computes: attention sinks), else why foak builds it."""
+    if kwargs.get("local_size") is not None:
+        return "a chunked or local mask"
+    if kwargs.get("use_vmap") or kwargs.get("allow_is_causal_skip") is False:
+        return "a causal mask with extra patterns"
+    if (kwargs.get("batch_size") != window.batch or kwargs.get("q_length") != window.seq_len
+            or kwargs.get("kv_length") != window.seq_len):
+        return "a causal mask of another size than the batch"
+    if any(not isinstance(kwargs.get(k, 0), int) or kwargs.get(k, 0) != 0 for k in ("q_offset", "kv_offset")):
+        return "a causal mask with offsets"
+    if (kwargs.get("attention_mask") is not None) != window.has_mask:
+        return "a causal mask of another padding than the batch"
+    return None
+
+
+def _sinks_of(module, query, kwargs):
+    """(the call's attention sinks or None, why the varlen path declines them or None)."""
+    sinks = kwargs.get("s_aux")
+    if sinks is None:
+        if isinstance(getattr(module, "sinks", None), torch.Tensor):
+            return None, "attention sinks not passed to the attention function (s_aux)"
+        return None, None
+    if not isinstance(sinks, torch.Tensor) or sinks.dim() != 1 or sinks.shape[0] != query.shape[1] \
+            or not sinks.is_floating_point() or sinks.device != query.device:
+        return None, "attention sinks (s_aux) that are not one logit per query head"
+    return sinks, None
+
+
 def _why_not_window(module, query, key, args, kwargs, window: _WindowBatch, position_ids) -> str | None:
     if args:
         return "positional arguments after the attention mask"
@@ -406,13 +471,16 @@ def _why_not_window(module, query, key, args, kwargs, window: _WindowBatch, posi
         return "attention dropout"
     if kwargs.get("softcap") is not None:
         return "an attention-logit softcap"
-    if kwargs.get("s_aux") is not None or getattr(module, "sinks", None) is not None:
-        return "attention sinks"
+    why = _sinks_of(module, query, kwargs)[1]
+    if why is not None:
+        return why
     if kwargs.get("output_attentions"):
         return "output_attentions"
     if kwargs.get("is_causal", getattr(module, "is_causal", True)) is False:
         return "non-causal attention"
     sliding = kwargs.get("sliding_window")
+    if sliding is None and window.full:  # a full-attention layer of a model with attention sinks
+        return None if isinstance(position_ids, torch.Tensor) else "no position_ids reach the attention layer"
     if not isinstance(sliding, int) or isinstance(sliding, bool) or sliding < 1:
         return "a sliding window that is not a positive int"
     if sliding != window.mask_kwargs.get("local_size"):  # the window transformers' mask would have cut
@@ -425,8 +493,9 @@ def _why_not_window(module, query, key, args, kwargs, window: _WindowBatch, posi
 def _window_attention(module, entry, window: _WindowBatch, query, key, value, args, kwargs):
     """A sliding-window layer's call on an unpacked batch whose mask function built no mask."""
     reason = _why_not_window(module, query, key, args, kwargs, window, kwargs.get("position_ids"))
-    if reason is not None:  # transformers' sliding-window mask after all, and the previous implementation
-        mask = window.previous_mask(entry.previous)
+    full = kwargs.get("sliding_window") is None
+    if reason is not None:  # transformers' sliding-window (or causal) mask after all, and the previous implementation
+        mask = window.previous_mask(entry.previous, full)
         out = _previous_function(module, entry.previous)(module, query, key, value, mask, *args, **kwargs)
         entry.counts.count(None, reason)
         return out
@@ -442,11 +511,12 @@ def _window_attention(module, entry, window: _WindowBatch, query, key, value, ar
     if window.index is not None:  # the tokens of a padded batch
         q, k, v = (t.index_select(0, window.index) for t in (q, k, v))
     backend = _varlen.resolve_backend(q, v)
+    sinks = kwargs.get("s_aux")
     out = _varlen.varlen_attention(q, k, v, window.seqs, scale=kwargs.get("scaling"),
-                                   window=kwargs["sliding_window"], backend=backend)
+                                   window=kwargs["sliding_window"], backend=backend, sinks=sinks)
     if window.index is not None:  # zeros at the padded positions, as SDPA leaves a query that sees no key
         out = out.new_zeros((B * S, Hq, Dv)).index_copy(0, window.index, out)
-    entry.counts.count(backend, windowed=True)
+    entry.counts.count(backend, windowed=True, full=full, sinks=sinks is not None)
     return out.reshape(B, S, Hq, Dv), None
 
 
@@ -481,8 +551,9 @@ def _why_not_packed(module, query, key, attention_mask, args, kwargs, seqs) -> s
         return "attention dropout"
     if kwargs.get("softcap") is not None:
         return "an attention-logit softcap"
-    if kwargs.get("s_aux") is not None:
-        return "attention sinks (s_aux)"
+    why = _sinks_of(module, query, kwargs)[1]
+    if why is not None:
+        return why
     if kwargs.get("output_attentions"):
         return "output_attentions"
     if kwargs.get("is_causal", getattr(module, "is_causal", True)) is False:
@@ -507,9 +578,11 @@ def foak_attention_forward(module: nn.Module, query: torch.Tensor, key: torch.Te
         return _hf()[0]["sdpa"](module, query, key, value, attention_mask, *args, **kwargs)
     position_ids = kwargs.get("position_ids")
     current = _CURRENT.forward
-    if kwargs.get("sliding_window") is not None and attention_mask is None:
+    # a full-attention layer of a model with attention sinks: its unpacked batches take the window path too
+    full = kwargs.get("sliding_window") is None and isinstance(getattr(module, "sinks", None), torch.Tensor)
+    if attention_mask is None and (kwargs.get("sliding_window") is not None or full):
         window = _window_call_of(entry, current, position_ids, query.shape[0], query.shape[2],
-                                 kwargs["sliding_window"])
+                                 kwargs.get("sliding_window"), full)
         if window is not None:
             return _window_attention(module, entry, window, query, key, value, args, kwargs)
     if current is not None and current.entry is entry:
@@ -535,8 +608,8 @@ def foak_attention_forward(module: nn.Module, query: torch.Tensor, key: torch.Te
                            f"{reason}, which foak's packed path does not compute and which needs transformers' "
                            "block-causal mask; disable fast_packed_attention for this model")
     if reason is not None:
-        if (reason == "not a packed batch" and kwargs.get("sliding_window") is not None and current is not None
-                and current.entry is entry):  # a sliding-window layer: why it keeps transformers' mask
+        if (reason == "not a packed batch" and (kwargs.get("sliding_window") is not None or full)
+                and current is not None and current.entry is entry):  # why it keeps transformers' mask
             reason = (current.window.mask_reason if current.window is not None else current.window_reason) or reason
         previous = _previous_function(module, entry.previous)
         if entry.cudnn and entry.previous == "sdpa" and reason == "not a packed batch":
@@ -561,22 +634,24 @@ def foak_attention_forward(module: nn.Module, query: torch.Tensor, key: torch.Te
         q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
     backend = _varlen.resolve_backend(q, v)
     window = kwargs.get("sliding_window")
-    if isinstance(seqs, _AtRunTime):
+    sinks = kwargs.get("s_aux")
+    if isinstance(seqs, _AtRunTime):  # (a stack with attention sinks never compiles this path: see its forward)
         out = _varlen.varlen_attention_by_positions(q, k, v, position_ids, scale=kwargs.get("scaling"), window=window,
                                                     backend=backend)
     else:
-        out = _varlen.varlen_attention(q, k, v, seqs, scale=kwargs.get("scaling"), window=window, backend=backend)
-    entry.counts.count(backend)
+        out = _varlen.varlen_attention(q, k, v, seqs, scale=kwargs.get("scaling"), window=window, backend=backend,
+                                       sinks=sinks)
+    entry.counts.count(backend, sinks=sinks is not None)
     return out.reshape(B, S, Hq, value.shape[3]), None
 
 
-def _window_call_of(entry, current, position_ids, batch: int, seq_len: int, sliding):
-    """The _WindowBatch a sliding-window layer's call without a mask computes, or None (no mask from
-    transformers itself: the previous implementation)."""
+def _window_call_of(entry, current, position_ids, batch: int, seq_len: int, sliding, full: bool = False):
+    """The _WindowBatch a sliding-window layer's call without a mask computes (``full``: a full-attention layer
+    of a model with attention sinks), or None (no mask from transformers itself: the previous implementation)."""
     if current is not None and current.entry is entry:
         window = current.window
-        if window is None or window.mask_kwargs is None:  # the mask function was not asked for its window mask
-            return None
+        if window is None or (window.full_kwargs if full else window.mask_kwargs) is None:
+            return None  # the mask function was not asked for its window (causal) mask
         if isinstance(position_ids, torch.Tensor) and position_ids is not window.ids and \
                 not torch.compiler.is_compiling():
             window.ids = position_ids  # found again by a layer recomputed in the backward
@@ -585,7 +660,7 @@ def _window_call_of(entry, current, position_ids, batch: int, seq_len: int, slid
     window = _recalled_window(position_ids)  # a layer recomputed in the backward (gradient checkpointing)
     if window is not _UNKNOWN:
         return window
-    if isinstance(sliding, int) and seq_len >= sliding and not torch.compiler.is_compiling() \
+    if (full and seq_len > 1 or isinstance(sliding, int) and seq_len >= sliding) and not torch.compiler.is_compiling() \
             and not (isinstance(position_ids, torch.Tensor) and _sequences_of(position_ids, batch) is not None):
         # transformers never leaves a window this short without a mask: it was foak's batch, now forgotten
         raise RuntimeError("foak packed attention: a sliding-window layer recomputed outside its stack's forward "
@@ -608,6 +683,12 @@ def foak_attention_mask(**kwargs):
         window = current.window
         if window is not None:
             why = _plain_sliding_mask(kwargs, window)
+            if why == "" and window.full:  # not a sliding-window mask: the causal one, with attention sinks
+                why = _plain_full_mask(kwargs, window)
+                if why is None:
+                    if window.full_kwargs is None:
+                        window.full_kwargs = dict(kwargs)
+                    return None
             if why is None:
                 if window.mask_kwargs is None:
                     window.mask_kwargs = dict(kwargs)
@@ -704,11 +785,10 @@ def packed_attention_rule(arch: str, stack_class: type, text_config: bool = Fals
         return None
 
     def patch(module, model, state):
-        # gpt-oss: a learned sink logit per head (a parameter of each attention module) joins the softmax;
-        # varlen_attention has no such term, and a packed batch needs the whole stack on one path
-        sinks = next((m for m in module.modules() if isinstance(getattr(m, "sinks", None), torch.Tensor)), None)
-        if sinks is not None:
-            return Skip(f"attention sinks ({type(sinks).__name__}.sinks): foak's varlen attention has no sink term")
+        # gpt-oss: a learned sink logit per head (a parameter of each attention module, passed as s_aux) joins
+        # the softmax: varlen_attention's sinks. Such a model runs every layer of its unpacked batches (full
+        # attention too) through varlen attention: its previous implementation is eager, [B, H, S, S] scores
+        with_sinks = any(isinstance(getattr(m, "sinks", None), torch.Tensor) for m in module.modules())
         config = config_of(module)
         attribute = _implementation_attribute(config)
         previous = getattr(config, attribute, None)
@@ -740,9 +820,7 @@ def packed_attention_rule(arch: str, stack_class: type, text_config: bool = Fals
         write_ids = _argument_writer(original, "position_ids")
         # what keeps the sliding-window layers of every unpacked batch on transformers' mask
         declines = None
-        if any(getattr(m, "sinks", None) is not None for m in module.modules()):
-            declines = "attention sinks"
-        elif getattr(config, "attn_logit_softcapping", None) is not None:
+        if getattr(config, "attn_logit_softcapping", None) is not None:
             declines = "an attention-logit softcap"
         read_blocks = _argument_reader(original, image_blocks) if image_blocks else None
         row, with_images = state.result, [0]
@@ -769,7 +847,8 @@ def packed_attention_rule(arch: str, stack_class: type, text_config: bool = Fals
             elif isinstance(position_ids, torch.Tensor) and mask is None and position_ids.dim() == 2 and not dropout:
                 batch = source.shape[0] if isinstance(source, torch.Tensor) else position_ids.shape[0]
                 if torch.compiler.is_compiling():  # packed or not is decided when the attention op runs
-                    seqs = _AtRunTime(batch, position_ids.shape[1])
+                    # (the op that reads the ids at run time takes no sinks: transformers' mask and eager)
+                    seqs = None if with_sinks else _AtRunTime(batch, position_ids.shape[1])
                 else:
                     seqs = _sequences_of(position_ids, batch)
             window = reason = None
@@ -777,7 +856,7 @@ def packed_attention_rule(arch: str, stack_class: type, text_config: bool = Fals
                 reason = f"image tokens ({image_blocks})"
             elif seqs is None:
                 window, reason = _window_batch(config, declines, mask, read_past(args, kwargs), source, position_ids,
-                                               dropout, self.__dict__[_ENTRY_ATTR].previous)
+                                               dropout, self.__dict__[_ENTRY_ATTR].previous, with_sinks)
                 if window is not None and isinstance(position_ids, torch.Tensor):
                     # ids of this forward's own, by which a recomputed layer finds its batch (see _WINDOWS)
                     position_ids = position_ids.clone()
