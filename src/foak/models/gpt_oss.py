@@ -3,8 +3,9 @@ per frequency; the rotation is the rotate_half one, so foak's rope op runs on th
 the experts (GptOssExperts: transposed weights with biases, interleaved gate/up columns, the clamped SwiGLU
 ``(clamp(up, -limit, limit) + 1) * g * sigmoid(alpha * g)``, ``g = min(gate, limit)``) as foak's MoE
 implementation (``fast_moe``). The router (a biased linear, top-k, softmax over the top values) and its
-auxiliary loss stay in the HF forward. The attention keeps transformers' implementation: its per-head sink
-logits (``GptOssAttention.sinks``) have no counterpart in foak's packed/windowed attention, whose row says so."""
+auxiliary loss stay in the HF forward. The attention with its per-head sink logits (``GptOssAttention.sinks``,
+passed as ``s_aux``) runs foak's varlen attention with ``sinks`` (fast_packed_attention): packed batches, and
+every layer of unpacked/padded ones (transformers' gpt-oss attention is eager: [B, H, S, S] scores)."""
 
 from transformers.models.gpt_oss import modeling_gpt_oss as modeling
 
