@@ -201,9 +201,9 @@ SPECS: dict[str, Spec] = {
 
     # ---- gpt-oss ----
     # experts through fast_moe (clamped SwiGLU, interleaved gate/up, transposed weights, biases); attention
-    # with its sinks through foak's varlen attention (every layer, alternating sliding/full). No packed batch
-    # here: transformers' gpt-oss does not keep packed sequences apart (its masks are built without the position
-    # ids), foak does; tests/test_sink_attention.py compares a packed batch with its sequences run alone
+    # with its sinks through foak's varlen attention (every layer, alternating sliding/full). transformers'
+    # gpt-oss builds its masks without the position ids (its packed sequences see each other): the unpatched
+    # reference gets them passed (ref_loss_and_grads, as foak verify does)
     "gpt_oss": Spec("GptOssConfig", "GptOssForCausalLM",
                     {**COMMON, **MOE, "num_local_experts": 4, "head_dim": 16, "sliding_window": WINDOW,
                      "layer_types": ["sliding_attention", "full_attention"],
@@ -211,8 +211,7 @@ SPECS: dict[str, Spec] = {
                                          "truncate": False, "rope_theta": 150000.0,
                                          "original_max_position_embeddings": 2}},  # gpt-oss's YaRN, 64 = 32 x 2
                     rows={"rms_norm": 5, "rms_norm_recompute": 1, "fused_lora_qkv": 0, "rope": 2,
-                          "fused_linear_loss": 1, "packed_attention": 1, "moe": 2, "fused_lora": 0},
-                    batches=("padded", "unpadded")),
+                          "fused_linear_loss": 1, "packed_attention": 1, "moe": 2, "fused_lora": 0}),
 
     # ---- Qwen3.5 hybrids ----
     # AutoModelForCausalLM loads the text model (model_type qwen3_5_text), AutoModelForImageTextToText the
@@ -285,6 +284,15 @@ def batch_of(kind: str) -> dict:
 # ---- comparisons ----------------------------------------------------------------------------------------
 
 
+def ref_loss_and_grads(ref: nn.Module, batch: dict):
+    """loss_and_grads of the unpatched model; on a packed batch transformers' mask builders get the position ids
+    where the model passes none (gpt-oss), so that its packed sequences attend per sequence (foak.verify)."""
+    from foak.verify import _masks_see_packing
+
+    with _masks_see_packing(ref, batch):
+        return loss_and_grads(ref, batch)
+
+
 def fp64_gradients(ref: nn.Module, batch: dict) -> dict:
     """The unpatched model's gradients in fp64 (its experts on transformers' eager loop: grouped_mm takes no fp64)."""
     exact = copy.deepcopy(ref).double()
@@ -292,7 +300,7 @@ def fp64_gradients(ref: nn.Module, batch: dict) -> dict:
         config = getattr(m, "config", None)
         if getattr(config, "_experts_implementation", None) not in (None, "eager"):
             config._experts_implementation = "eager"
-    return loss_and_grads(exact, batch)[1]
+    return ref_loss_and_grads(exact, batch)[1]
 
 
 def assert_grads_close(grads: dict, ref_grads: dict, what: str, exact=None):
@@ -362,7 +370,7 @@ def test_patched_matches_unpatched(arch, op_calls):
     for kind in SPECS[arch].batches:
         batch = batch_of(kind)
         out, grads = loss_and_grads(model, batch)
-        ref_out, ref_grads = loss_and_grads(ref, batch)
+        ref_out, ref_grads = ref_loss_and_grads(ref, batch)
         if "fused_linear_loss" in SPECS[arch].rows and SPECS[arch].rows["fused_linear_loss"]:
             assert out.logits is None  # training with labels: the logits are never materialised
         if getattr(ref_out, "aux_loss", None) is not None:  # the router's aux loss is part of the loss
@@ -405,10 +413,10 @@ def test_lora_patched_matches_peft(arch):
     report = patch(model, arch)
     fused = [r for r in report.results if r.switch == "lora" and r.modules]
     assert fused, f"no LoRA layer was fused\n{report}"
-    for kind in (k for k in ("padded", "packed") if k in SPECS[arch].batches):
+    for kind in ("padded", "packed"):
         batch = batch_of(kind)
         out, grads = loss_and_grads(model, batch)
-        ref_out, ref_grads = loss_and_grads(ref, batch)
+        ref_out, ref_grads = ref_loss_and_grads(ref, batch)
         assert_close(out.loss, ref_out.loss, f"{arch} LoRA {kind} loss")
         exact = (lambda: fp64_gradients(ref, batch)) if SPECS[arch].fp64_arbiter else None
         assert_grads_close(grads, ref_grads, f"{arch} LoRA {kind}", exact)

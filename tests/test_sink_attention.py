@@ -201,3 +201,21 @@ def test_output_attentions_runs_transformers_eager_with_its_masks():
     assert len(out.attentions) == 2 and all(torch.equal(a, b) for a, b in zip(out.attentions, ref.attentions))
     assert pa.packed_attention_counts(report, RULE) == ({}, {"output_attentions": 2})
     assert pa.sink_attention_counts(report, RULE) == (0, {})
+
+
+def test_verify_reference_of_a_packed_batch_keeps_gpt_oss_sequences_apart():
+    # foak verify's unpatched reference on a packed batch: transformers' gpt-oss builds its masks without the
+    # position ids (its sequences then see each other); _masks_see_packing passes them to the mask builders
+    from foak.verify import _masks_see_packing
+
+    model = build()
+    packed = {k: v for k, v in batch_of("packed").items() if k != "labels"}
+    leaky = model(**packed).logits
+    with _masks_see_packing(model, packed):
+        kept = model(**packed).logits
+    alone = model(input_ids=packed["input_ids"][:1, 3:8]).logits
+    assert relative_error(kept[0, 3:8], alone[0]) <= 1e-5 < relative_error(leaky[0, 3:8], alone[0])
+    from transformers.masking_utils import create_causal_mask
+    from transformers.models.gpt_oss import modeling_gpt_oss
+
+    assert modeling_gpt_oss.create_causal_mask is create_causal_mask  # put back

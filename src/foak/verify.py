@@ -21,14 +21,18 @@ transformers 5's sdpa and eager paths then find the packed sequences (``find_pac
 attend per sequence through a block-causal mask (tests/test_verify.py checks it against each sequence run
 alone). With a KV cache (the config's ``use_cache=True``) they do not look for packing and the sequences
 attend to each other, while foak's packed path keeps them apart (foak.patching.packed_attention): no
-reference there, so the batch passes ``use_cache=False``.
+reference there, so the batch passes ``use_cache=False``. gpt-oss builds its masks without the position ids
+(transformers then does not look for packing): its reference run gets them passed to transformers' mask
+builders (:func:`_masks_see_packing`).
 """
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import gc
 import math
+import sys
 from dataclasses import dataclass, field
 
 import torch
@@ -226,6 +230,45 @@ def _rounding_moved(model, seed: int):
     return moved
 
 
+@contextlib.contextmanager
+def _masks_see_packing(model, batch):
+    """For the unpatched reference on a packed batch: transformers' mask builders (``create_causal_mask``,
+    ``create_sliding_window_causal_mask``) called by the model's modeling modules get the batch's position_ids
+    where the model passes none (gpt-oss builds its masks without them, so its sequences would attend to each
+    other; transformers' packing detection needs them). A model that passes them is unchanged."""
+    position_ids = batch.get("position_ids")
+    if position_ids is None or batch.get("attention_mask") is not None:
+        yield
+        return
+    from transformers import masking_utils
+
+    replaced = []
+    for module in {sys.modules.get(type(m).__module__) for m in model.modules()} - {None}:
+        for name in ("create_causal_mask", "create_sliding_window_causal_mask"):
+            original = getattr(module, name, None)
+            if original is None or original is not getattr(masking_utils, name, None):
+                continue
+
+            def with_ids(*args, _original=original, **kwargs):
+                if kwargs.get("position_ids") is None:
+                    kwargs["position_ids"] = position_ids
+                return _original(*args, **kwargs)
+
+            setattr(module, name, with_ids)
+            replaced.append((module, name, original))
+    try:
+        yield
+    finally:
+        for module, name, original in replaced:
+            setattr(module, name, original)
+
+
+def _reference_run(model, batch):
+    """:func:`_run` of the unpatched model (see :func:`_masks_see_packing`)."""
+    with _masks_see_packing(model, batch):
+        return _run(model, batch)
+
+
 def _run(model, batch):
     """(loss, {name: gradient}) after one forward and backward."""
     model.zero_grad(set_to_none=True)
@@ -239,7 +282,7 @@ def _run(model, batch):
 def _call_counts(report, switch: str) -> tuple[int, dict[str, int]]:
     """(calls the rule's fused path ran, {reason: calls that took the previous path}) of ``switch``'s rows."""
     from foak.patching.moe import moe_counts
-    from foak.patching.packed_attention import packed_attention_counts, window_attention_counts
+    from foak.patching.packed_attention import packed_attention_counts, sink_attention_counts, window_attention_counts
     from foak.patching.peft import fused_lora_counts
 
     fused, other = 0, {}
@@ -253,6 +296,7 @@ def _call_counts(report, switch: str) -> tuple[int, dict[str, int]]:
         else:
             ran, o = packed_attention_counts(report, r.rule_id)
             n = sum(ran.values()) + sum(window_attention_counts(report, r.rule_id).values())  # sliding-window layers
+            n += sum(sink_attention_counts(report, r.rule_id)[1].values())  # full layers of unpacked batches (sinks)
         fused += n
         for why, k in o.items():
             other[why] = other.get(why, 0) + k
@@ -357,10 +401,10 @@ def verify_model(model, switches: list[str] | None = None) -> VerifyReport:
         key = (model_kind, batch_kind)
         if cache.get("key") != key:
             cache.clear()
-            unpatched = _run(unpatched_model, batches[batch_kind])
+            unpatched = _reference_run(unpatched_model, batches[batch_kind])
             if low:
                 fp32 = copy.deepcopy(unpatched_model).float()
-                cache["value"] = (_run(fp32, batches[batch_kind]), unpatched)
+                cache["value"] = (_reference_run(fp32, batches[batch_kind]), unpatched)
                 del fp32
             else:
                 cache["value"] = (unpatched, None)
@@ -378,8 +422,8 @@ def verify_model(model, switches: list[str] | None = None) -> VerifyReport:
                 if getattr(config, "_experts_implementation", None) not in (None, "eager"):
                     config._experts_implementation = "eager"
             try:
-                cache["exact"] = (*_run(fp64, batches[batch_kind]),
-                                  [_run(_rounding_moved(unpatched_model, seed), batches[batch_kind])[1]
+                cache["exact"] = (*_reference_run(fp64, batches[batch_kind]),
+                                  [_reference_run(_rounding_moved(unpatched_model, seed), batches[batch_kind])[1]
                                    for seed in range(ROUNDING_SAMPLES)])
             except (RuntimeError, TypeError, ValueError, NotImplementedError):  # a model that cannot run in fp64
                 cache["exact"] = None
