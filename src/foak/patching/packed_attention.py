@@ -58,9 +58,10 @@ the full-attention layers too (their plain causal mask is not built either: ``_W
 is taken under eager then: with a sink, eager's softmax of a query that sees no token puts all its weight on the
 sink (output zeros, as foak's). Under torch.compile a model with sinks keeps transformers' masks and eager (the
 op that reads the position ids at run time takes no sinks). transformers' own gpt-oss does not keep packed
-sequences apart (its masks are built without the position ids); foak does, as transformers' flash path does. A layer recomputed in the backward (gradient checkpointing,
-reentrant or not) finds its batch through the position ids it receives (each such forward gets ids of its own,
-copied if given; see ``_WINDOWS``).
+sequences apart (its masks are built without the position ids); foak does, as transformers' flash path does.
+
+A layer recomputed in the backward (gradient checkpointing, reentrant or not) finds its batch through the
+position ids it receives (each such forward gets ids of its own, copied if given; see ``_WINDOWS``).
 
 Models whose config names another implementation are left alone and say why in the row:
 ``flash_attention_*`` already run packed batches per sequence (varlen from position_ids), ``flex_attention``
