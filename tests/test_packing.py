@@ -5,7 +5,9 @@ within 1e-5) for Llama, Mistral with a window shorter than its sequences, Qwen3 
 gradient checkpointing; tokens of one sequence never reach another (forward or backward); unpacked batches
 are bit-identical to the unpatched model; the report counts both kinds of calls; restore; TRL's padding-free
 packing runs it (foak train --packing: tests/test_train.py). Op level: the per-sequence SDPA backend against explicit
-fp64 math, and the sequence boundaries against transformers' find_packed_sequence_indices.
+fp64 math, and the sequence boundaries against transformers' find_packed_sequence_indices; attention sinks
+(``sinks``: the CPU flash path, the explicit-math fallback, the flash path's code with aten's CUDA kernel
+emulated on the CPU, and flash itself where CUDA is present) against an fp64 softmax over [scores, sink].
 
 On the CPU the packed path is the per-sequence SDPA backend (torch has no FlexAttention backward and no
 flash kernel there); the GPU backends are measured by benchmarks/packing.py. No Triton kernel runs here.
