@@ -2,14 +2,15 @@
 foak.ops.varlen_attention's ``sinks``): a tiny gpt-oss (a sliding-window layer with window 4, shorter than the
 batches, and a full-attention layer; sink logits drawn large enough to take real probability), fp32, foak's
 reference backend, patched vs unpatched (transformers' eager attention with its sinks): loss and every gradient,
-the sinks' included, within 1e-5 on unpadded, left-/right-padded (with and without gradient checkpointing) and
-packed batches. Every attention call runs foak's varlen attention with the sinks (the op's calls counted), no
+the sinks' included, within 1e-5 on unpadded, left-/right-padded (with and without gradient checkpointing)
+batches, and on packed batches against each sequence run alone (transformers' gpt-oss lets packed sequences
+see each other). Every attention call runs foak's varlen attention with the sinks (the op's calls counted), no
 mask is built for an unpadded/padded batch, the report row counts the calls with sinks; calls the path
-declines (output_attentions) run transformers' mask and eager attention, counted with the reason. The op's own
-tests (CPU flash per sequence, the CUDA flash glue with the kernel emulated, vs fp64 softmax over [scores,
-sink]) are in tests/test_packing.py.
+declines (output_attentions) run transformers' mask and eager attention, counted with the reason; while
+compiling, transformers' masks and eager; foak verify's packed reference keeps gpt-oss's sequences apart. The
+op's own tests (CPU flash per sequence, the CUDA flash glue with the kernel emulated, vs fp64 softmax over
+[scores, sink]) are in tests/test_packing.py.
 """
-
 from __future__ import annotations
 
 import copy
@@ -219,3 +220,17 @@ def test_verify_reference_of_a_packed_batch_keeps_gpt_oss_sequences_apart():
     from transformers.models.gpt_oss import modeling_gpt_oss
 
     assert modeling_gpt_oss.create_causal_mask is create_causal_mask  # put back
+
+
+def test_while_compiling_a_model_with_sinks_keeps_transformers_masks_and_eager(monkeypatch, op_calls):
+    # the op that reads the position ids at run time (the compiled packed path) takes no sinks: while tracing,
+    # the stack's forward leaves packed and unpacked batches to transformers (as the unpatched model computes)
+    model = build()
+    reference = copy.deepcopy(model)
+    foak.patch(model)
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
+    for kind in ("packed", "unpadded"):
+        batch = {k: v for k, v in batch_of(kind).items() if k != "labels"}
+        with torch.no_grad():
+            assert torch.equal(model(**batch).logits, reference(**batch).logits), kind
+    assert op_calls == []

@@ -661,7 +661,9 @@ def _window_call_of(entry, current, position_ids, batch: int, seq_len: int, slid
     window = _recalled_window(position_ids)  # a layer recomputed in the backward (gradient checkpointing)
     if window is not _UNKNOWN:
         return window
-    if (full and seq_len > 1 or isinstance(sliding, int) and seq_len >= sliding) and not torch.compiler.is_compiling() \
+    # (eager always gets a causal mask from transformers: a full-attention layer without one was foak's batch)
+    short = full and seq_len > 1 and entry.previous == "eager" or isinstance(sliding, int) and seq_len >= sliding
+    if short and not torch.compiler.is_compiling() \
             and not (isinstance(position_ids, torch.Tensor) and _sequences_of(position_ids, batch) is not None):
         # transformers never leaves a window this short without a mask: it was foak's batch, now forgotten
         raise RuntimeError("foak packed attention: a sliding-window layer recomputed outside its stack's forward "
