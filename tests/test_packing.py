@@ -541,15 +541,3 @@ def test_sinks_bad_inputs_are_errors():
         va.varlen_attention(q, k, k, seqs, sinks=torch.zeros(2))
     with pytest.raises(ValueError, match="backend 'flex' takes no attention sinks"):
         va.varlen_attention(q, k, k, seqs, sinks=torch.zeros(4), backend="flex")
-
-
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="aten's flash kernel needs CUDA")
-@pytest.mark.parametrize("window", [None, 4])
-def test_sinks_flash_on_cuda_matches_fp64(window):
-    def run(q, k, v, seqs, scale, window, sinks):
-        seqs = va.sequences_from_lengths(seqs.lengths, "cuda", batch=seqs.batch)
-        return va.varlen_attention(*(t.cuda() for t in (q, k, v)), seqs, scale=scale, window=window,
-                                   sinks=sinks.cuda(), backend="flash").cpu()
-
-    _check_sinks_against_fp64(run, torch.bfloat16, window, 2e-2)
-    _check_sinks_against_fp64(run, torch.float16, window, 1e-2, lengths=(5, 6, 3, 7, 1), batch=2)
