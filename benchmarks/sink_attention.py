@@ -267,7 +267,9 @@ def check_op(smoke: bool) -> list[dict]:
 
 
 def in_process(args: list[str]) -> dict | list:
-    proc = subprocess.run([sys.executable, __file__, *args], capture_output=True, text=True, env=os.environ)
+    # foak's CUDA sinks path is gated until this check has run on a GPU (FOAK_CUDA_SINKS): this script runs it
+    proc = subprocess.run([sys.executable, __file__, *args], capture_output=True, text=True,
+                          env=dict(os.environ, FOAK_CUDA_SINKS="1"))
     line = next((x for x in proc.stdout.splitlines() if x.startswith("RESULT ")), None)
     if line is None:
         tail = (proc.stderr or proc.stdout).strip().splitlines()[-3:]

@@ -234,3 +234,23 @@ def test_while_compiling_a_model_with_sinks_keeps_transformers_masks_and_eager(m
         with torch.no_grad():
             assert torch.equal(model(**batch).logits, reference(**batch).logits), kind
     assert op_calls == []
+
+
+def test_on_cuda_the_sinks_path_waits_for_its_gpu_check(monkeypatch):
+    # no GPU here: a batch whose source tensor says it is on CUDA takes the gate (transformers' masks and eager,
+    # the forward counted in the row), unless FOAK_CUDA_SINKS=1
+    from foak.patching import packed_attention as pa
+
+    monkeypatch.delenv(pa.CUDA_SINKS_ENV, raising=False)
+    model = tiny_model("gpt_oss").float()
+    ref = copy.deepcopy(model)
+    report = foak.patch(model, fast_packed_attention=True)
+    ids = torch.randint(3, model.config.vocab_size, (2, 11))
+    real_is_cuda = torch.Tensor.is_cuda
+    monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda t: t is ids or real_is_cuda.__get__(t)))
+    got = model(input_ids=ids).logits
+    monkeypatch.setattr(torch.Tensor, "is_cuda", real_is_cuda)
+    assert torch.equal(got, ref(input_ids=ids).logits)  # transformers' own attention
+    notes = report.result("gpt_oss.packed_attention").notes
+    assert "1 forward on CUDA kept transformers' attention" in notes and "FOAK_CUDA_SINKS=1 runs it" in notes
+    assert pa.sink_attention_counts(report, "gpt_oss.packed_attention")[0] == 0

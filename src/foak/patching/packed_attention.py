@@ -59,6 +59,9 @@ is taken under eager then: with a sink, eager's softmax of a query that sees no 
 sink (output zeros, as foak's). Under torch.compile a model with sinks keeps transformers' masks and eager (the
 op that reads the position ids at run time takes no sinks). transformers' own gpt-oss does not keep packed
 sequences apart (its masks are built without the position ids); foak does, as transformers' flash path does.
+On CUDA the sinks path (foak's flash kernel with the sink folded into its log-sum-exp) has not been checked on a
+GPU yet: a batch of such a model on CUDA keeps transformers' masks and attention (each forward counted in the
+row) unless ``FOAK_CUDA_SINKS=1``.
 
 A layer recomputed in the backward (gradient checkpointing, reentrant or not) finds its batch through the
 position ids it receives (each such forward gets ids of its own, copied if given; see ``_WINDOWS``).
@@ -78,6 +81,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import os
 import sys
 import threading
 import warnings
@@ -146,6 +150,10 @@ class _Counts:
         self.row.note_runtime("calls", text)
 
 
+def _forwards(n: int) -> str:
+    return f"{n} forward" if n == 1 else f"{n} forwards"
+
+
 def _calls(n: int) -> str:
     return f"{n} call" if n == 1 else f"{n} calls"
 
@@ -162,6 +170,7 @@ class _Entry(SharedAcrossCopies):
 
 
 _ENTRY_ATTR = "_foak_packed_attention"
+CUDA_SINKS_ENV = "FOAK_CUDA_SINKS"  # "1": attention sinks through foak's flash kernel on CUDA (not yet GPU-checked)
 CUDNN_ATTR = "_foak_cudnn_attention"  # set on the model by foak.patch (the cudnn_attention switch)
 _CUDNN_FIRST = None  # the SDPA backend priority with cuDNN's attention first (built on first use)
 
@@ -826,7 +835,7 @@ def packed_attention_rule(arch: str, stack_class: type, text_config: bool = Fals
         if getattr(config, "attn_logit_softcapping", None) is not None:
             declines = "an attention-logit softcap"
         read_blocks = _argument_reader(original, image_blocks) if image_blocks else None
-        row, with_images = state.result, [0]
+        row, with_images, gated = state.result, [0], [0]
 
         def forward(self, *args, **kwargs):
             position_ids = read_ids(args, kwargs)
@@ -840,7 +849,15 @@ def packed_attention_rule(arch: str, stack_class: type, text_config: bool = Fals
             source = read_embeds(args, kwargs) if source is None else source
             blocks = read_blocks(args, kwargs) if read_blocks is not None else None
             images = isinstance(blocks, torch.Tensor) and (torch.compiler.is_compiling() or bool(blocks.ne(0).any()))
-            if images:
+            sinks_gated = with_sinks and isinstance(source, torch.Tensor) and source.is_cuda and \
+                os.environ.get(CUDA_SINKS_ENV) != "1"
+            if sinks_gated:  # transformers' mask and attention for this batch (counted)
+                if not torch.compiler.is_compiling():
+                    gated[0] += 1
+                    row.note_runtime("sinks gated", f"{_forwards(gated[0])} on CUDA kept transformers' attention: "
+                                     f"foak's flash kernel with attention sinks awaits its GPU check "
+                                     f"(benchmarks/sink_attention.py); {CUDA_SINKS_ENV}=1 runs it")
+            elif images:
                 # bidirectional image blocks: transformers' mask (and the previous implementation) for this batch
                 if not torch.compiler.is_compiling():
                     with_images[0] += 1
@@ -855,7 +872,9 @@ def packed_attention_rule(arch: str, stack_class: type, text_config: bool = Fals
                 else:
                     seqs = _sequences_of(position_ids, batch)
             window = reason = None
-            if images:
+            if sinks_gated:
+                reason = f"attention sinks on CUDA ({CUDA_SINKS_ENV} not set)"
+            elif images:
                 reason = f"image tokens ({image_blocks})"
             elif seqs is None:
                 window, reason = _window_batch(config, declines, mask, read_past(args, kwargs), source, position_ids,
