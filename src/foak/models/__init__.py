@@ -7,6 +7,7 @@ with a ``rules()`` function and one line in ``ARCHITECTURES``.
 from __future__ import annotations
 
 import importlib
+import inspect
 
 # model_type -> module holding its rules
 ARCHITECTURES = {
@@ -26,6 +27,8 @@ ARCHITECTURES = {
     "olmo3": "foak.models.olmo3",
     "smollm3": "foak.models.smollm3",
     "ministral": "foak.models.ministral",
+    # ---- ministral3 ----
+    "ministral3": "foak.models.ministral3",
 
     # ---- Gemma family and multimodal text towers (gemma*, mistral3) ----
     "gemma": "foak.models.gemma",
@@ -91,7 +94,9 @@ def rules_for(model):
         )
     from foak.patching.peft import lora_attention_rule, lora_linear_rule  # PEFT's LoRA layers
 
-    rules = importlib.import_module(ARCHITECTURES[model_type]).rules()
+    rules_of_type = importlib.import_module(ARCHITECTURES[model_type]).rules
+    # a multimodal type whose text tower follows its text_config (mistral3) picks its rules from the model
+    rules = rules_of_type(model) if inspect.signature(rules_of_type).parameters else rules_of_type()
     # the LoRA q/k/v block wraps the attention forward inside the RoPE rule's wrapper (which casts the input
     # once under autocast): it comes before it in the list (a later rule wraps an earlier rule's forward)
     rope = next((i for i, r in enumerate(rules) if r.switch == "rope"), None)

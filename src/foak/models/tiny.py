@@ -26,6 +26,11 @@ _TINY_GEMMA4_VISION = {"hidden_size": 32, "intermediate_size": 48, "num_hidden_l
                        "num_key_value_heads": 2, "head_dim": 16, "patch_size": 4, "pooling_kernel_size": 2,
                        "position_embedding_size": 64}
 
+# Ministral 3: YaRN RoPE (factor 16 = max_position_embeddings / original_max_position_embeddings) and Llama 4's
+# q scaling by position, whose period (original_max_position_embeddings, 8) is short enough to change in a batch
+_MINISTRAL3_ROPE = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 16.0, "original_max_position_embeddings": 8,
+                    "beta_fast": 32.0, "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0,
+                    "llama_4_scaling_beta": 0.1}
 _IDS = {"bos_token_id": 0, "eos_token_id": 1, "pad_token_id": 2}  # within the tiny vocabulary
 
 TINY_CONFIGS = {
@@ -48,6 +53,9 @@ TINY_CONFIGS = {
                                   "sliding_window": 8}),  # layer 1: NoPE and sliding
     "ministral": ("MinistralConfig", {"head_dim": 16, "sliding_window": 8,
                                       "layer_types": ["sliding_attention", "full_attention"]}),
+    # ---- ministral3 ----
+    "ministral3": ("Ministral3Config", {**_IDS, "head_dim": 16, "sliding_window": 8,
+                                        "rope_parameters": _MINISTRAL3_ROPE}),
 
     # ---- Gemma family and multimodal text towers ----
     "gemma": ("GemmaConfig", {"head_dim": 16}),
