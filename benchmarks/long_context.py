@@ -25,9 +25,9 @@ Framework ``unsloth``: Unsloth's own path, as its users run it: ``FastLanguageMo
 memory is tight: the record says where it was). Unsloth loads from a directory, so a first
 process saves the same random-init model (same seed, same weights as the other frameworks) with a tokenizer to
 ``--unsloth-model-dir`` (reused while its dims match; 16 GB for the 8B dims). Unsloth is imported only in its own
-run's process. Its packages are not in the GPU image: install the carried wheels first (unsloth, unsloth_zoo,
-trl, datasets, dill, multiprocess, with bitsandbytes and pydantic's), e.g. ``pip install -q --no-index --no-deps
---no-compile --target /tmp/site`` with the Python 3.12 wheels of .wheels/ and .wheels_unsloth/, and
+run's process. Its packages are not in the GPU image: ``benchmarks/wheels.py base trl`` and ``benchmarks/wheels.py
+unsloth --dir .wheels_unsloth`` download them (Python 3.12 wheels; carry both folders), install them first on the
+GPU machine with ``pip install -q --no-index --no-deps --no-compile --target /tmp/site`` and
 ``PYTHONPATH=/tmp/site``, then run ``--check-unsloth-env`` (GPU: versions, Unsloth's GPU backend and offloading
 checkpoint, and Unsloth's loss == HF's on a small model at 4096 tokens).
 With --cpu-smoke Unsloth picks its CPU backend (no GPU): that checks this script's plumbing, not Unsloth's GPU
