@@ -10,9 +10,9 @@ outputs not requested are None; log_probs and entropy are differentiable). The c
 lm_head and loss_function never run, so foak's fused_linear_loss rule would not act.
 
 While a model patched with fused_linear_loss is alive, that global is a stand-in. When ``weight`` is the
-lm_head weight of such a model it computes every output TRL can request, with TRL's temperature, logit
-scale and softcap, hidden and weight of different dtypes outside autocast (``cast_lm_head_to_fp32``), and
-gradients through log_probs and entropy:
+lm_head weight of such a model (or of a trainable copy PEFT's modules_to_save made of that lm_head) it
+computes every output TRL can request, with TRL's temperature, logit scale and softcap, hidden and weight of
+different dtypes outside autocast (``cast_lm_head_to_fp32``), and gradients through log_probs and entropy:
 - SFT's request (``is_top1`` without ``mean_logits``/``log_sum_sq_probs``, no softcap with a temperature
   != 1) with ``linear_cross_entropy(reduction="none", precompute_row_grad=True)``: SFT's loss is the mean of
   the log-probs, so its gradient is computed in the forward; an entropy that is differentiated after all gets

@@ -10,11 +10,11 @@ tokens and divided by their count (or by ``num_items_in_batch``), the student's 
 count. The student's lm_head and loss_function never run, so foak's fused_linear_loss rule would not act.
 
 While a model patched with fused_linear_loss is alive, that global is a stand-in which computes the loss with
-foak's ``linear_jsd`` when the student's ``lm_head`` weight is such a model's and foak can express the call, and
-hands it to TRL's own function otherwise, writing why into the rule's report row (and warning once). A student
-foak did not patch always gets TRL's function. The stand-in is installed once per process (when TRL's
-distillation module is imported after foak.patch, by an import hook as it loads), ref-counted, and restored
-when the last patched model is restored or garbage-collected.
+foak's ``linear_jsd`` when the student's ``lm_head`` weight is such a model's (or a PEFT modules_to_save copy's)
+and foak can express the call, and hands it to TRL's own function otherwise, writing why into the rule's report
+row (and warning once). A student foak did not patch always gets TRL's function. The stand-in is installed once
+per process (when TRL's distillation module is imported after foak.patch, by an import hook as it loads),
+ref-counted, and restored when the last patched model is restored or garbage-collected.
 """
 
 from __future__ import annotations
