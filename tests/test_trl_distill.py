@@ -62,7 +62,8 @@ def _models(tokenizer):
 
 def _distill(tmp_path, patch, beta, kernels=None, checkpointing=False, lora=False):
     """Two SGD steps of DistillationTrainer; returns (TRL's log history, foak's report or None). ``lora``: TRL
-    wraps the (patched) student with a LoRA peft_config."""
+    wraps the (patched) student with a LoRA peft_config; "head": one that also trains a copy of the lm_head
+    (modules_to_save)."""
     tokenizer = char_tokenizer()
     tokenizer.padding_side = "left"
     student, teacher = _models(tokenizer)
@@ -73,7 +74,8 @@ def _distill(tmp_path, patch, beta, kernels=None, checkpointing=False, lora=Fals
         bf16=False, gradient_checkpointing=checkpointing, max_completion_length=6, beta=beta, temperature=0.9,
         generation_kwargs={"do_sample": False})  # greedy: both runs score the same completions
     lora_config = peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], lora_dropout=0.0,
-                                  init_lora_weights=False) if lora else None
+                                  init_lora_weights=False,
+                                  modules_to_save=["lm_head"] if lora == "head" else None) if lora else None
     torch.manual_seed(5)
     trainer = trl.DistillationTrainer(model=student, teacher_model=teacher, args=config,
                                       train_dataset=datasets.Dataset.from_dict({"prompt": PROMPTS}),
@@ -82,9 +84,12 @@ def _distill(tmp_path, patch, beta, kernels=None, checkpointing=False, lora=Fals
     return [row for row in trainer.state.log_history if "loss" in row], report
 
 
-# beta 0.5 with TRL's default gradient checkpointing; a LoRA student (peft_config given to the trainer)
+# beta 0.5 with TRL's default gradient checkpointing; a LoRA student (peft_config given to the trainer); one whose
+# lm_head PEFT copies after foak.patch (modules_to_save: TRL passes the copy's weight, which foak once did not
+# recognise: TRL's loss ran and the row said nothing)
 @pytest.mark.parametrize("beta, checkpointing, lora", [(0.0, False, False), (0.5, True, False), (1.0, False, False),
-                                                       (0.5, False, True)], ids=["fkl", "jsd-ckpt", "rkl", "jsd-lora"])
+                                                       (0.5, False, True), (0.5, False, "head")],
+                         ids=["fkl", "jsd-ckpt", "rkl", "jsd-lora", "jsd-lora-head-copy"])
 def test_distillation_trainer_runs_foaks_loss_and_logs_what_trl_logs(tmp_path, calls, beta, checkpointing, lora):
     foak.set_backend("reference")
     try:

@@ -190,6 +190,39 @@ def test_fused_lm_head_of_a_patched_model_matches_trl_on_the_unpatched_twin(call
     assert rule.notes == "served TRL's fused LM head (1 call); TRL's own kernel ran 1 call: " + OTHER_MODEL
 
 
+def test_a_head_copy_peft_makes_after_patching_is_served_and_trained(calls):
+    # foak.patch, then TRL's head, then PEFT with modules_to_save=["lm_head"] (DPOTrainer(peft_config=...) does
+    # this): the causal LM's lm_head becomes PEFT's wrapper and TRL passes the trainable copy's weight. Before the
+    # fix foak did not recognise that weight: TRL's kernel ran every policy call, reported as "a model foak did
+    # not patch"
+    twin = tiny_model("llama")
+    policy = copy.deepcopy(twin)
+    report = foak.patch(policy, fused_linear_loss=True)
+    models = []
+    for m in (policy, twin):
+        trl_utils.add_fused_lm_head(m, outputs=REQUESTS["dpo"])
+        torch.manual_seed(5)
+        models.append(peft.get_peft_model(m, peft.LoraConfig(r=4, target_modules=["q_proj"], init_lora_weights=False,
+                                                             modules_to_save=["lm_head"])))
+    inputs, labels = _batch(policy.config.vocab_size)
+    results = []
+    for m in models:
+        out = m(**inputs, labels=labels, fused_lm_head=True)
+        (out.log_probs * torch.arange(out.log_probs.numel()).view_as(out.log_probs)).sum().backward()
+        with torch.no_grad(), trl_utils.use_adapter(m, adapter_name=None):  # the reference: the original head
+            ref = m(**inputs, labels=labels, fused_lm_head=True)
+        copy_weight = m.base_model.model.lm_head.modules_to_save["default"].weight
+        results.append((out.log_probs.detach(), ref.log_probs, copy_weight.grad))
+        if m is models[0]:
+            assert calls == {"linear_log_probs": 2, "linear_cross_entropy": 0, "trl": 0}
+    (log_probs, ref_log_probs, grad), (want, want_ref, want_grad) = results
+    assert grad is not None and want_grad is not None and want_grad.abs().max() > 0
+    for got, expected in ((log_probs, want), (ref_log_probs, want_ref), (grad, want_grad)):
+        assert relative_error(got, expected) < 1e-5
+    assert report.result("llama.fused_linear_loss").notes == (
+        "served TRL's fused LM head (2 calls); TRL's own kernel ran 2 calls: " + OTHER_MODEL)  # (the twin's)
+
+
 def _count_saved(fn):
     saved = []
     with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):

@@ -294,3 +294,27 @@ def test_under_bf16_autocast_the_gated_mlp_is_the_first_output_that_differs_and_
     assert first == "model.layers.0.mlp"
     error = lambda out: ((out[first] - exact_out[first]).norm() / exact_out[first].norm()).item()
     assert 0 < error(foak_out) < error(hf_out) < 2e-2  # measured: foak 5.2e-3, HF 5.5e-3 (one bf16 rounding fewer)
+
+
+@pytest.mark.parametrize("order", ["precompute_ref_log_probs", "patched after the trainer is built"])
+def test_dpo_orders_users_take_are_served(tmp_path, tiny_dir, trl_calls, reference_ops, order):
+    # precompute_ref_log_probs=True (full fine-tuning): no reference model; TRL scores the dataset once with the
+    # policy before training, under no_grad (1 call), then 2 policy calls. "patched after": foak.patch(trainer.model)
+    # once the trainer exists, so foak's fused_linear_loss forward wraps TRL's fused forward (and the same for
+    # trainer.ref_model, as docs/trl.md advises)
+    overrides = {"precompute_ref_log_probs": True} if order == "precompute_ref_log_probs" else {}
+    ref_steps, _, _ = _train("dpo", tiny_dir, tmp_path / "trl", use_foak=False, **overrides)
+    trl_calls[0] = 0
+    if overrides:
+        steps, trainer, reports = _train("dpo", tiny_dir, tmp_path / "foak", use_foak=True, **overrides)
+        assert trainer.ref_model is None and [_served(r) for r in reports] == [3]
+    else:
+        model, _, build = _trainer("dpo", tiny_dir, tmp_path / "foak")
+        trainer = build(model, None)
+        reports = [foak.patch(trainer.model, **KERNELS), foak.patch(trainer.ref_model, **KERNELS)]
+        trainer.train()
+        steps = [entry for entry in trainer.state.log_history if "grad_norm" in entry]
+        assert [_served(r) for r in reports] == [2, 2]
+    assert trl_calls[0] == 0 and all("TRL's own kernel" not in r.result("llama.fused_linear_loss").notes
+                                     for r in reports)
+    _assert_same_metrics(steps, ref_steps)

@@ -10,9 +10,9 @@ outputs not requested are None; log_probs and entropy are differentiable). The c
 lm_head and loss_function never run, so foak's fused_linear_loss rule would not act.
 
 While a model patched with fused_linear_loss is alive, that global is a stand-in. When ``weight`` is the
-lm_head weight of such a model it computes every output TRL can request, with TRL's temperature, logit
-scale and softcap, hidden and weight of different dtypes outside autocast (``cast_lm_head_to_fp32``), and
-gradients through log_probs and entropy:
+lm_head weight of such a model (or of a trainable copy PEFT's modules_to_save made of that lm_head) it
+computes every output TRL can request, with TRL's temperature, logit scale and softcap, hidden and weight of
+different dtypes outside autocast (``cast_lm_head_to_fp32``), and gradients through log_probs and entropy:
 - SFT's request (``is_top1`` without ``mean_logits``/``log_sum_sq_probs``, no softcap with a temperature
   != 1) with ``linear_cross_entropy(reduction="none", precompute_row_grad=True)``: SFT's loss is the mean of
   the log-probs, so its gradient is computed in the forward; an entropy that is differentiated after all gets
@@ -52,11 +52,22 @@ _install: list = []  # [trl.trainer.utils module, TRL's original object] while i
 class _Head:
     """A patched model's lm_head and the report row (RuleResult) that tells what became of its TRL calls."""
 
-    def __init__(self, lm_head, result, chunk_bytes):
-        self.module = weakref.ref(lm_head)
+    def __init__(self, causal_lm, result, chunk_bytes):
+        self.module = weakref.ref(causal_lm.lm_head)
+        self.causal_lm = weakref.ref(causal_lm)
         self.result, self.chunk_bytes = result, chunk_bytes
         self.served = 0
         self.fallbacks: dict[str, int] = {}  # reason -> calls
+
+    def owns(self, module, weight) -> bool:
+        """Whether ``weight`` is this head's: the patched lm_head's, or that of a trainable copy PEFT made of it
+        after foak.patch (``modules_to_save=["lm_head"]``: the causal LM's lm_head is now PEFT's wrapper, and TRL
+        passes the active copy's weight)."""
+        if module.weight is weight:
+            return True
+        causal_lm = self.causal_lm()
+        return causal_lm is not None and any(
+            linear.weight is weight for linear in head_linears(getattr(causal_lm, "lm_head", None)))
 
     def chunk_bytes_for(self, weight) -> int | None:
         return self.chunk_bytes(weight) if callable(self.chunk_bytes) else self.chunk_bytes
@@ -81,7 +92,7 @@ def serve_trl_fused_head(causal_lm, state, chunk_bytes=None) -> None:
     row; ``chunk_bytes``: linear_cross_entropy's chunk budget, an int or a function of the weight, read at
     call time): from now until ``state`` is restored, or the lm_head is garbage-collected, TRL's fused LM head on
     this model runs foak's loss, whether TRL is imported before or after."""
-    head = _Head(causal_lm.lm_head, state.result, chunk_bytes)
+    head = _Head(causal_lm, state.result, chunk_bytes)
     with _lock:
         _heads[id(head)] = head
         _sync()
@@ -158,7 +169,7 @@ def _served_head(weight) -> _Head | bool | None:
     with _lock:
         heads = [(head, head.module()) for head in _heads.values()]
     for head, module in heads:
-        if module is not None and module.weight is weight:
+        if module is not None and head.owns(module, weight):
             return head
     # FSDP2: TRL passes the gathered weight.full_tensor(), a new tensor. When the head is trained, autograd
     # links that tensor to the sharded parameter; without a gradient nothing does.
@@ -309,7 +320,7 @@ class _EntropyGradient(torch.autograd.Function):
 
 
 # the fused_linear_loss rule calls serve_trl_fused_head for every causal LM it patches
-from foak.patching.replacements import FUSED_HEAD_HOOKS  # noqa: E402
+from foak.patching.replacements import FUSED_HEAD_HOOKS, head_linears  # noqa: E402
 
 if serve_trl_fused_head not in FUSED_HEAD_HOOKS:
     FUSED_HEAD_HOOKS.append(serve_trl_fused_head)

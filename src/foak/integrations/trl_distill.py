@@ -10,11 +10,11 @@ tokens and divided by their count (or by ``num_items_in_batch``), the student's 
 count. The student's lm_head and loss_function never run, so foak's fused_linear_loss rule would not act.
 
 While a model patched with fused_linear_loss is alive, that global is a stand-in which computes the loss with
-foak's ``linear_jsd`` when the student's ``lm_head`` weight is such a model's and foak can express the call, and
-hands it to TRL's own function otherwise, writing why into the rule's report row (and warning once). A student
-foak did not patch always gets TRL's function. The stand-in is installed once per process (when TRL's
-distillation module is imported after foak.patch, by an import hook as it loads), ref-counted, and restored
-when the last patched model is restored or garbage-collected.
+foak's ``linear_jsd`` when the student's ``lm_head`` weight is such a model's (or a PEFT modules_to_save copy's)
+and foak can express the call, and hands it to TRL's own function otherwise, writing why into the rule's report
+row (and warning once). A student foak did not patch always gets TRL's function. The stand-in is installed once
+per process (when TRL's distillation module is imported after foak.patch, by an import hook as it loads),
+ref-counted, and restored when the last patched model is restored or garbage-collected.
 """
 
 from __future__ import annotations
@@ -46,11 +46,21 @@ _students: dict[int, _Student] = {}  # id(_Student) -> _Student, one per patched
 class _Student:
     """A patched model's lm_head and the report row (RuleResult) that tells what became of its TRL calls."""
 
-    def __init__(self, lm_head, result):
-        self.module = weakref.ref(lm_head)
+    def __init__(self, causal_lm, result):
+        self.module = weakref.ref(causal_lm.lm_head)
+        self.causal_lm = weakref.ref(causal_lm)
         self.result = result
         self.served = 0
         self.fallbacks: dict[str, int] = {}  # reason -> calls
+
+    def owns(self, module, weight) -> bool:
+        """Whether ``weight`` is this student's head's: the patched lm_head's, or that of a trainable copy PEFT made
+        of it after foak.patch (``modules_to_save=["lm_head"]``: TRL passes the active copy's weight)."""
+        if module.weight is weight:
+            return True
+        causal_lm = self.causal_lm()
+        return causal_lm is not None and any(
+            linear.weight is weight for linear in head_linears(getattr(causal_lm, "lm_head", None)))
 
     def count_served(self) -> None:
         self.served += 1
@@ -72,7 +82,7 @@ def serve_trl_distillation(causal_lm, state, chunk_bytes=None) -> None:
     from now until ``state`` is restored, or the lm_head is garbage-collected, TRL's distillation loss with this
     model as the student runs foak's linear_jsd, whether TRL is imported before or after."""
     lm_head = causal_lm.lm_head
-    student = _Student(lm_head, state.result)
+    student = _Student(causal_lm, state.result)
     with _lock:
         _students[id(student)] = student
     state.on_restore(weakref.finalize(lm_head, _forget, id(student)))
@@ -151,7 +161,7 @@ def _student_of(weight) -> _Student | None:
     with _lock:
         students = [(s, s.module()) for s in _students.values()]
     for student, module in students:
-        if module is not None and module.weight is weight:
+        if module is not None and student.owns(module, weight):
             return student
     return None
 
@@ -230,7 +240,7 @@ class _FoakDivergenceLoss:
 
 
 # the fused_linear_loss rule calls serve_trl_distillation for every causal LM it patches
-from foak.patching.replacements import FUSED_HEAD_HOOKS  # noqa: E402
+from foak.patching.replacements import FUSED_HEAD_HOOKS, head_linears  # noqa: E402
 
 if serve_trl_distillation not in FUSED_HEAD_HOOKS:
     FUSED_HEAD_HOOKS.append(serve_trl_distillation)

@@ -524,7 +524,7 @@ def fused_loss_chunk_bytes(weight: torch.Tensor) -> int:
     return FUSED_LOSS_CHUNK_BYTES
 
 
-def _head_linears(head) -> list[nn.Linear]:
+def head_linears(head) -> list[nn.Linear]:
     """The nn.Linear modules that compute ``head``'s output: the head itself, or for a PEFT
     ``modules_to_save`` wrapper around it, the original and each trainable copy (the wrapper calls one)."""
     if isinstance(head, nn.Linear):
@@ -545,7 +545,7 @@ def _final_softcap(config) -> float | None:
 def _causal_lm_skip_reason(model, serves_softcap: bool = False):
     if not serves_softcap and getattr(model.config, "final_logit_softcapping", None):
         return "final_logit_softcapping is applied between lm_head and the loss (not a linear map)"
-    if not _head_linears(getattr(model, "lm_head", None)):
+    if not head_linears(getattr(model, "lm_head", None)):
         return "the model has no nn.Linear lm_head"
     return None
 
@@ -665,7 +665,7 @@ def fused_linear_loss_rule(arch: str, causal_lm_class: type, logits_divisor: str
                 chunk_bytes=fused_loss_chunk_bytes(weight))
             return request.loss
 
-        for linear in _head_linears(lm_head):  # (PEFT's modules_to_save: the original and its copies)
+        for linear in head_linears(lm_head):  # (PEFT's modules_to_save: the original and its copies)
             state.set_forward(linear, lm_head_forward)
         for hook in FUSED_HEAD_HOOKS:  # e.g. TRL's own fused head, which skips lm_head and the loss
             hook(model_module, state, fused_loss_chunk_bytes)
