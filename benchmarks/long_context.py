@@ -166,7 +166,7 @@ def one_run(framework: str, length: int, reentrant: bool, smoke: bool, budget_gi
 
         stacks = [m for m in model.modules() if "offloaded_layers" in state_of(m)]
         record["offload"] = {k: sum(state_of(m)[k] for m in stacks)
-                             for k in ("layers", "offloaded_layers", "kept_layers", "offloaded_bytes")}
+                             for k in ("layers", "offloaded_layers", "kept_layers", "leaf_layers", "offloaded_bytes")}
     record["versions"] = {m: __import__(m).__version__ for m in ("torch", "transformers", "peft")}
     return record
 
@@ -345,7 +345,8 @@ def offloaded(record: dict) -> str:
                 f"{u['tiled_mlp_modules']} tiled MLPs, embedding on {u['embedding_device']}"
                 + (f", {u['host_buffer_gib']:.1f} GiB host buffers" if "host_buffer_gib" in u else ""))
     return "" if not o else (f"{o['offloaded_layers']} of {o['layers']} layers offloaded "
-                             f"({o['offloaded_bytes'] / 2**30:.1f} GiB pinned)")
+                             f"({o['offloaded_bytes'] / 2**30:.1f} GiB pinned"
+                             + (f"; {o['leaf_layers']} a graph leaf, kept" if o.get("leaf_layers") else "") + ")")
 
 
 def offload_check(reentrant: bool) -> dict:

@@ -41,6 +41,9 @@ def test_calls_cudnn_cannot_take_run_sdpa_unchanged_and_are_counted():
 
 def test_without_the_switch_the_reason_is_unchanged():
     model = tiny_model("llama").float()
+    # patched with the switch, restored, patched without it: the switch is off (it stayed on before)
+    foak.patch(model, fast_packed_attention=True, cudnn_attention=True)
+    foak.restore(model)
     report = foak.patch(model, fast_packed_attention=True)
     ids = torch.randint(3, model.config.vocab_size, (1, 7))
     model(input_ids=ids)

@@ -12,6 +12,7 @@ import copy
 
 import pytest
 import torch
+import yaml
 
 import foak
 from foak.models.tiny import model_from_config, tiny_config, tiny_model
@@ -103,14 +104,20 @@ def test_offloaded_equals_plain(arch, lora, reentrant, monkeypatch):
     stats = offload.state_of(stack)
     layers = len(stack.layers)
     hidden = model.config.hidden_size
+    # LoRA: the frozen embedding's output is a leaf that requires grad (HF's enable_input_require_grads, on with
+    # checkpointing): autograd holds it anyway, so layer 0's input stays where it is, reported
+    leaves = 1 if lora else 0
+    offloaded = layers - leaves
     # one saved input per checkpointed layer: its hidden states [rows, width, hidden] in fp32, each on the host
-    assert stats["layers"] == stats["offloaded_layers"] == layers and stats["kept_layers"] == 0, stats
-    assert stats["offloaded_bytes"] == layers * ROWS * WIDTH * hidden * 4, stats
+    assert (stats["layers"], stats["offloaded_layers"], stats["kept_layers"], stats["leaf_layers"]) == \
+        (layers, offloaded, 0, leaves), stats
+    assert stats["offloaded_bytes"] == offloaded * ROWS * WIDTH * hidden * 4, stats
     # each input's host copy: its bytes in one piece here (inputs smaller than offload._PIECE_BYTES)
-    assert len(copies) == layers and all(t.dtype == torch.uint8 and t.numel() == ROWS * WIDTH * hidden * 4
-                                         for t in copies)
+    assert len(copies) == offloaded and all(t.dtype == torch.uint8 and t.numel() == ROWS * WIDTH * hidden * 4
+                                            for t in copies)
     row = report.result(f"{model.config.model_type}.offload_activations")
-    assert row.modules == 1 and f"{layers} of {layers} checkpointed layers' inputs offloaded" in row.notes
+    assert row.modules == 1 and f"{offloaded} of {layers} checkpointed layers' inputs offloaded" in row.notes
+    assert ("1 kept on the device: a leaf of the autograd graph" in row.notes) == bool(lora), row.notes
     # the rms_norm_recompute scope is entered outside the per-layer hooks: it acts, it does not step aside
     recompute = next(r for r in report.results if r.rule_id.endswith("rms_norm_recompute"))
     assert "stepped aside" not in recompute.notes, recompute.notes
@@ -179,7 +186,7 @@ def test_inputs_in_many_pieces_come_back_whole(monkeypatch):
         foak.restore(ref)
     assert_same(expected, got)
     per_layer = ROWS * WIDTH * model.config.hidden_size * 4
-    layers = len(stack_of(model).layers)
+    layers = len(stack_of(model).layers) - 1  # (LoRA: layer 0's input is a graph leaf, not offloaded)
     assert per_layer % 1000 != 0 and len(copies) == layers * -(-per_layer // 1000)
     assert sum(t.numel() for t in copies) == layers * per_layer
     assert offload.state_of(stack_of(model))["offloaded_bytes"] == layers * per_layer
@@ -254,6 +261,10 @@ def test_config_keys():
         config_from_kwargs(offload_budget_gib=4.0)
     with pytest.raises(ValueError, match="must be a positive number"):
         config_from_kwargs(offload_activations=True, offload_budget_gib=0.0)
+    for garbage in (".nan", ".inf"):  # YAML floats that int() refused with an unclear error when patching
+        with pytest.raises(ValueError, match=r"offload_budget_gib: (nan|inf) in .*must be a positive number of GiB"):
+            load_config(yaml.safe_load(f"training:\n  fused_ops_and_kernels:\n    offload_activations: true\n"
+                                       f"    offload_budget_gib: {garbage}\n"))
     with pytest.raises(ValueError, match="did you mean 'offload_activations'"):
         config_from_kwargs(offload_activation=True)
 
@@ -277,3 +288,58 @@ def test_under_an_outer_save_on_cpu():
     assert "stepped aside in 1 of 1 forwards" in report.result("llama.rms_norm_recompute").notes
     foak.restore(model)
     foak.restore(ref)
+
+
+def test_lora_leaf_input_is_not_copied_and_the_users_order_is_reported_truthfully():
+    """The order users write: foak.patch, then get_peft_model, then gradient_checkpointing_enable (as HF Trainer's
+    ``gradient_checkpointing=True`` does), then gradient_checkpointing_disable. With the embedding frozen, HF's
+    enable_input_require_grads makes its output a leaf that requires grad: autograd's AccumulateGrad holds it until
+    the backward, so a host copy of layer 0's input freed nothing and cost host memory while the row said "2 of 2
+    offloaded". Now it stays where it is (said), the step keeps no more than without offloading, and after
+    checkpointing is turned off the row no longer says the last forward offloaded anything."""
+    from memory_utils import step_memory
+    from peft import LoraConfig, get_peft_model
+
+    model = build("llama", lora=False, reentrant=None)
+    report = foak.patch(model, offload_activations=True)
+    # (the same random draws for the LoRA weights as build's: the model is seeded, patching draws nothing)
+    model = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules=TARGETS, lora_dropout=0.0))
+    ref = build("llama", lora=True, reentrant=False)
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    data = packed_batch(model.config.vocab_size)
+    assert_same(step(ref, data), step(model, data))
+    stack, layers = stack_of(model), len(stack_of(model).layers)
+    stats = offload.state_of(stack)
+    assert (stats["offloaded_layers"], stats["leaf_layers"], stats["kept_layers"]) == (layers - 1, 1, 0), stats
+    row = report.result("llama.offload_activations")
+    assert f"{layers - 1} of {layers} checkpointed layers' inputs offloaded" in row.notes, row.notes
+    assert "1 kept on the device: a leaf of the autograd graph" in row.notes, row.notes
+    # what the forward keeps: the same bytes as without offloading (on the CPU the host copies count too: a copy
+    # of the leaf was one layer input more)
+    plain = build("llama", lora=True, reentrant=False)
+    assert step_memory(model, data)["retained"] == step_memory(plain, data)["retained"]
+    model.gradient_checkpointing_disable()
+    model(**data).loss.backward()
+    assert "inputs offloaded" not in row.notes, row.notes
+    assert "1 training forward(s) without gradient checkpointing: nothing offloaded" in row.notes, row.notes
+    assert "offloaded_layers" not in offload.state_of(stack)
+    foak.restore(model)
+
+
+def test_under_torch_compile_the_rows_say_nothing_is_offloaded_or_tiled():
+    # the compiled forward runs without the saved-tensor hooks and the MLP whole: said in the rows (they said
+    # nothing before: a patched model looked as if it offloaded and tiled)
+    ref = build("llama", lora=False, reentrant=False)
+    model = copy.deepcopy(ref)
+    report = foak.patch(model, offload_activations=True, tiled_mlp=True, tiled_mlp_chunk_tokens=8)
+    data = packed_batch(model.config.vocab_size)
+    expected = step(ref, data)
+    loss = torch.compile(model, backend="eager")(**data).loss  # (dynamo traces; no inductor compile here)
+    loss.backward()
+    torch.testing.assert_close(loss.detach(), expected[0], rtol=1e-5, atol=1e-5)
+    assert "offloaded_layers" not in offload.state_of(stack_of(model))
+    assert "torch.compile traced the decoder stack 1 time(s): its compiled forwards offload nothing" in \
+        report.result("llama.offload_activations").notes
+    assert "torch.compile traced 2 MLP forward(s): compiled, the MLP runs whole (not tiled)" in \
+        report.result("llama.tiled_mlp").notes
+    foak.restore(model)

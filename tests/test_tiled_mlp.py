@@ -100,6 +100,8 @@ def test_tiled_equals_plain(arch, lora, checkpointing, reference_ops):
     forwards = {None: mlps, True: 2 * mlps, False: mlps + (arch == "qwen2_moe")}[checkpointing]
     assert f"{forwards} forwards tiled ({5 * forwards} chunks of <= 8 tokens), 0 of < 16 tokens ran whole" \
         in row.notes, row.notes
+    # the routed experts (layer 1 of the MoE model) are not tiled, and the row says so
+    assert ("routed experts not tiled: 1 Qwen2MoeExperts module" in row.notes) == (arch == "qwen2_moe"), row.notes
     if lora:  # foak's fused LoRA MLP block ran underneath, chunk by chunk
         assert "fused LoRA MLP blocks" in report.result(f"{arch}.swiglu").notes
 

@@ -25,6 +25,7 @@ drop. Nothing is guessed or silently picked.
 from __future__ import annotations
 
 import difflib
+import math
 import os
 from collections.abc import Mapping
 from pathlib import Path
@@ -133,10 +134,12 @@ class AccelerationConfig(BaseModel):
                 "choice), fast_loss runs the cross-entropy kernel on materialised logits (use it when something "
                 "needs the logits)"
             )
-        if self.offload_budget_gib is not None and (not self.offload_activations or self.offload_budget_gib <= 0):
+        budget = self.offload_budget_gib
+        # (YAML's .nan / .inf are floats: without isfinite they reached int() as an unclear error)
+        if budget is not None and (not self.offload_activations or not math.isfinite(budget) or budget <= 0):
             raise ValueError(
-                f"offload_budget_gib: {self.offload_budget_gib} in {where}: "
-                + ("it must be a positive number of GiB" if self.offload_activations else
+                f"offload_budget_gib: {budget} in {where}: "
+                + ("it must be a positive number of GiB (finite)" if self.offload_activations else
                    "it only applies with offload_activations: true; add that switch or remove the budget"))
         if self.cudnn_attention and not self.fast_packed_attention:
             raise ValueError(f"cudnn_attention: true in {where} works through foak's attention function: add "

@@ -106,5 +106,6 @@ def rules_for(model):
 
     # the tiled MLP wraps whatever runs the gated MLP (swiglu rule, fused LoRA block): after them in the list
     mlp_triggers = [r.trigger for r in rules if r.switch == "swiglu"]
-    tiled = [tiled_mlp_rule(model_type, mlp_triggers)] if mlp_triggers else []
+    experts = [r.trigger for r in rules if r.switch == "moe"]  # (not tiled: said in the tiled_mlp row)
+    tiled = [tiled_mlp_rule(model_type, mlp_triggers, experts)] if mlp_triggers else []
     return [*rules, lora_linear_rule(model_type), *tiled]

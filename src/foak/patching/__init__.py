@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 from foak.patching.new_layers import NewLoraLayers
-from foak.patching.rules import PatchReport, Rule, RuleResult, Trigger, apply, is_patched, restore
+from foak.patching.rules import _STATE_ATTR, PatchReport, Rule, RuleResult, Trigger, apply, is_patched, restore
 
 # config switches with no implementation yet: enabling one is an error, never a silent no-op
 NOT_IMPLEMENTED: dict[str, str] = {}
@@ -97,14 +97,20 @@ def patch(model, config=None, *, mixed_precision: str | None = None, **switches)
         from foak.patching.offload import offload_activations_rule
 
         rules = [*rules, offload_activations_rule(model_type, cfg.offload_budget_gib)]
-    if cfg.cudnn_attention:
-        from foak.patching.packed_attention import CUDNN_ATTR
+    from foak.patching.packed_attention import CUDNN_ATTR
+    from foak.patching.replacements import TILED_MLP_CHUNK_ATTR
 
-        object.__setattr__(model, CUDNN_ATTR, True)
-    if cfg.tiled_mlp:
-        from foak.patching.replacements import TILED_MLP_CHUNK_ATTR
-
-        object.__setattr__(model, TILED_MLP_CHUNK_ATTR, cfg.tiled_mlp_chunk_tokens)
+    # (set or cleared by every patch of an unpatched model: foak.restore keeps them, a deepcopy re-patches with them;
+    # a model patched with cudnn_attention, restored and patched without it kept asking for cuDNN. Patching a patched
+    # model again changes nothing: apply returns its report)
+    settings = () if _STATE_ATTR in model.__dict__ else (
+        (CUDNN_ATTR, cfg.cudnn_attention or None),
+        (TILED_MLP_CHUNK_ATTR, cfg.tiled_mlp_chunk_tokens if cfg.tiled_mlp else None))
+    for attr, value in settings:
+        if value is None:
+            model.__dict__.pop(attr, None)
+        else:
+            object.__setattr__(model, attr, value)
     # LoRA layers added after this call (get_peft_model, SFTTrainer(peft_config=...), add_adapter) are fused on
     # the model's next forward with foak's defaults or a config that enables fused_lora (foak.patching.new_layers)
     fuse_new = use_default or "lora" in enabled

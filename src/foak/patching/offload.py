@@ -39,7 +39,7 @@ import weakref
 import torch
 from torch import nn
 
-from foak.patching.rules import Rule, Trigger, call_next
+from foak.patching.rules import Rule, Trigger, at_trace_time, call_next
 
 __all__ = ["DEFAULT_RAM_FRACTION", "OffloadError", "available_ram_bytes", "offload_activations_rule"]
 
@@ -154,6 +154,7 @@ class _Session:
         self.offloaded_bytes = 0
         self.offloaded_layers: set[int] = set()
         self.kept_layers: set[int] = set()
+        self.leaf_layers: set[int] = set()
         self.pinned = False
 
     def hooks(self, layer: int) -> torch.autograd.graph.saved_tensors_hooks:
@@ -164,6 +165,13 @@ class _Session:
             return t
         handle = _Offloaded(self, layer)
         self.handles[layer].append(weakref.ref(handle))
+        if t.requires_grad and t.grad_fn is None:
+            # a leaf of the graph (the embedding output that HF's enable_input_require_grads makes require grad when
+            # the embedding is frozen: LoRA, QLoRA): autograd's AccumulateGrad node holds it until the backward, so
+            # a host copy would free nothing on the device and spend the budget
+            handle.kept = t.detach()
+            self.leaf_layers.add(layer)
+            return handle
         source = t.detach()
         if not source.is_contiguous():
             source = source.contiguous()
@@ -287,10 +295,17 @@ def offload_activations_rule(arch: str, budget_gib: float | None = None) -> Rule
     def patch(module, model, state):
         row = state.result
         row._backend = _BACKEND  # (what moves the tensors; no kernel runs here)
-        counts = {"forwards": 0, "unchecked": 0}
+        counts = {"forwards": 0, "unchecked": 0, "traced": 0}
+
+        def note_compiled(ctx):  # (run by dynamo while it traces: see at_trace_time)
+            counts["traced"] += 1
+            row.note_runtime("compiled", (
+                f"torch.compile traced the decoder stack {counts['traced']} time(s): its compiled forwards offload "
+                "nothing (saved-tensor hooks are not traced; the compiler plans the memory)"))
 
         def forward(self, *args, **kwargs):
             if torch.compiler.is_compiling():  # (saved-tensor hooks do not trace; the compiler plans memory)
+                at_trace_time(note_compiled)
                 return call_next(self, rule_id, *args, **kwargs)
             layers = _checkpointed_layers(self) if self.training and torch.is_grad_enabled() else []
             if not layers:
@@ -299,6 +314,11 @@ def offload_activations_rule(arch: str, budget_gib: float | None = None) -> Rule
                     row.note_runtime("no_checkpointing", (
                         f"{counts['unchecked']} training forward(s) without gradient checkpointing: nothing "
                         "offloaded (it offloads the checkpointed layers' inputs; enable gradient checkpointing)"))
+                    # the last forward offloaded nothing: no earlier forward's count stays as if it were the last
+                    row.note_runtime(f"offloaded {type(self).__name__}", None)
+                    stats = state_of(self)
+                    for key in _LAST_FORWARD_KEYS:
+                        stats.pop(key, None)
                 return call_next(self, rule_id, *args, **kwargs)
             session = _Session(budget, len(layers))
             originals = [layer.__dict__["_gradient_checkpointing_func"] for layer in layers]
@@ -317,16 +337,21 @@ def offload_activations_rule(arch: str, budget_gib: float | None = None) -> Rule
                 for layer, checkpoint in zip(layers, originals):
                     layer._gradient_checkpointing_func = checkpoint
             counts["forwards"] += 1
-            offloaded = len(session.offloaded_layers - session.kept_layers)
-            kept = len(session.kept_layers)
+            offloaded = len(session.offloaded_layers - session.kept_layers - session.leaf_layers)
+            kept, leaves = len(session.kept_layers - session.leaf_layers), len(session.leaf_layers)
             text = (f"last forward of {type(self).__name__}: {offloaded} of {len(layers)} checkpointed layers' inputs offloaded to "
                     f"{'pinned CPU' if session.pinned else 'CPU'} memory "
                     f"({_gib(session.offloaded_bytes)})")
             if kept:
                 text += f", {kept} kept on the device: budget {_gib(budget.limit)} ({origin}) spent"
+            if leaves:
+                text += (f", {leaves} kept on the device: a leaf of the autograd graph (an input that requires "
+                         "grad without a grad_fn, e.g. the frozen embedding's output under PEFT), which autograd holds "
+                         "until the backward anyway")
             row.note_runtime(f"offloaded {type(self).__name__}", text)  # (one note per stack class: multimodal)
             state_of(self).update(layers=len(layers), offloaded_layers=offloaded, kept_layers=kept,
-                                  offloaded_bytes=session.offloaded_bytes, forwards=counts["forwards"])
+                                  leaf_layers=leaves, offloaded_bytes=session.offloaded_bytes,
+                                  forwards=counts["forwards"])
             return out
 
         return forward
@@ -344,11 +369,14 @@ _BACKEND = "pinned host memory + side CUDA stream (CUDA); host copy (CPU)"
 
 
 _STATS = "_foak_offload_stats"
+_LAST_FORWARD_KEYS = ("layers", "offloaded_layers", "kept_layers", "leaf_layers", "offloaded_bytes")
 
 
 def state_of(stack: nn.Module) -> dict:
     """The last forward's counts of a patched decoder stack: ``layers`` (checkpointed), ``offloaded_layers``,
-    ``kept_layers``, ``offloaded_bytes``, ``forwards``."""
+    ``kept_layers`` (budget spent), ``leaf_layers`` (an input autograd holds anyway: not offloaded),
+    ``offloaded_bytes``, ``forwards`` (forwards that offloaded). After a training forward without checkpointing
+    only ``forwards`` is left."""
     stats = stack.__dict__.get(_STATS)
     if stats is None:
         stats = stack.__dict__[_STATS] = {}

@@ -24,7 +24,7 @@ from foak.ops.rms_norm import rms_norm
 from foak.ops.rope import rope
 from foak.patching.autocast import cast_first_argument, cast_for_projections
 from foak.patching import globals as globals_
-from foak.patching.rules import Rule, SharedAcrossCopies, Skip, Trigger, call_next
+from foak.patching.rules import Rule, SharedAcrossCopies, Skip, Trigger, at_trace_time, call_next
 
 # ---- RMSNorm ---------------------------------------------------------------------------------------
 
@@ -240,14 +240,15 @@ def tiled_mlp_chunk_tokens(model: nn.Module) -> int:
 TILED_MLP_CHUNK_ATTR = "_foak_tiled_mlp_chunk_tokens"  # set on the model by foak.patch
 
 
-def tiled_mlp_rule(arch: str, triggers: list[Trigger]) -> Rule:
+def tiled_mlp_rule(arch: str, triggers: list[Trigger], experts: list[Trigger] = ()) -> Rule:
     """The gated MLP computed in sequence chunks in the forward and in the backward (foak.ops.tiled): no
     [tokens, intermediate] tensor lives whole. Wraps whatever runs the MLP (the swiglu rule's forward, the
     fused LoRA MLP block, HF's forward), so it composes with them; the forward runs without grad and only the
     MLP input is kept, the backward recomputes and differentiates one chunk at a time (one extra MLP forward
     per step; under non-reentrant checkpointing of a layer whose MLP saves last, only one extra chunk). Only inputs of at least two chunks are tiled; shorter ones, and torch.compile, run the MLP
     whole (the report row counts both). Opt-in (``tiled_mlp``): it pays at long context, where the [L, I]
-    tensors of the MLP's recompute/backward dominate a layer's peak."""
+    tensors of the MLP's recompute/backward dominate a layer's peak. ``experts``: the triggers of the routed
+    experts (the MoE rule's), which are not tiled: the row says how many modules of the model that leaves out."""
     rule_id = f"{arch}.tiled_mlp"
 
     def matches(module, model):
@@ -258,10 +259,16 @@ def tiled_mlp_rule(arch: str, triggers: list[Trigger]) -> Rule:
         from foak.ops.tiled import tiled
 
         row, chunk, owner = state.result, tiled_mlp_chunk_tokens(model), weakref.ref(model)
-        counts = row.__dict__.setdefault("tiled_counts", {"tiled": 0, "chunks": 0, "whole": 0})
+        counts = row.__dict__.setdefault("tiled_counts", {"tiled": 0, "chunks": 0, "whole": 0, "traced": 0})
+
+        def note_compiled(ctx):  # (run by dynamo while it traces: see at_trace_time)
+            counts["traced"] += 1
+            row.note_runtime("compiled", f"torch.compile traced {counts['traced']} MLP forward(s): compiled, the MLP "
+                                         "runs whole (not tiled)")
 
         def forward(self, x, *args, **kwargs):
             if torch.compiler.is_compiling():
+                at_trace_time(note_compiled)
                 return call_next(self, rule_id, x, *args, **kwargs)
             tokens = x.numel() // max(x.shape[-1], 1)
             if args or kwargs or x.dim() < 2 or tokens < 2 * chunk:  # (extra arguments: not a per-token call)
@@ -281,8 +288,19 @@ def tiled_mlp_rule(arch: str, triggers: list[Trigger]) -> Rule:
 
         return forward
 
+    def describe(model):
+        named = list(model.named_modules())
+        counts: dict[str, int] = {}
+        for name, module in named:
+            if any(t.matches(name, module, model) for t in experts):
+                counts[type(module).__name__] = counts.get(type(module).__name__, 0) + 1
+        if not counts:
+            return None
+        which = ", ".join(f"{n} {cls}" for cls, n in sorted(counts.items()))
+        return f"routed experts not tiled: {which} module{'s' if sum(counts.values()) > 1 else ''}"
+
     module_class = triggers[0].module_class if len({t.module_class for t in triggers}) == 1 else nn.Module
-    return Rule(rule_id, "tiled_mlp", Trigger(module_class, predicate=matches), patch)
+    return Rule(rule_id, "tiled_mlp", Trigger(module_class, predicate=matches), patch, describe=describe)
 
 
 def _check_not_fsdp(model: nn.Module | None) -> None:

@@ -189,6 +189,17 @@ def call_next(module: nn.Module, rule_id: str, *args, **kwargs):
     return type(module).forward(module, *args, **kwargs)
 
 
+def at_trace_time(fn: Callable[[object], None]) -> None:
+    """Call ``fn(ctx)`` while torch.compile (dynamo) traces the calling code, once per trace; nothing otherwise
+    (call it under ``torch.compiler.is_compiling()``). For a report note on what compiled calls run. ``fn`` must
+    be made outside the traced code (when the rule patches): dynamo skips a function made while it traces."""
+    try:
+        from torch._dynamo.comptime import comptime
+    except ImportError:  # (a torch without dynamo's compile-time hook: no note)
+        return
+    comptime(fn)
+
+
 def forward_link(module: nn.Module, rule_id: str) -> bool:
     """Whether ``module`` (or the module it was copied from) holds rule ``rule_id``'s forward, still active."""
     link = module.__dict__.get(_LINKS, {}).get(rule_id)
