@@ -142,7 +142,7 @@ def one_run(framework: str, length: int, reentrant: bool, smoke: bool, budget_gi
     if base in ("foak", "foak-offload", "foak-tiled", "foak-long"):
         import foak
         from foak.config import config_from_kwargs
-        from foak.patching import default_config
+        from foak.api import default_config
 
         # foak-offload: + offload_activations; foak-tiled: + tiled_mlp (chunks of the hidden size); foak-long: both
         acceleration = default_config(model)

@@ -99,7 +99,7 @@ def apply_variant(model, variant: str):
     if variant == "hf":
         return model, None
     import foak
-    from foak.patching import default_config
+    from foak.api import default_config
 
     switches = {k: True for k, v in default_config(model).model_dump(exclude={"mode", "base_layer"}).items()
                 if v is True}

@@ -102,11 +102,11 @@ def profile_steps(step, batches, n_steps: int) -> dict:
 
 
 def switches_without_packed_attention(model_name: str, peft: str) -> dict:
-    """foak-nopack: every switch foak has for the model (foak.patching.default_config, read from the model built
+    """foak-nopack: every switch foak has for the model (foak.api.default_config, read from the model built
     on the meta device) but fast_packed_attention; fused_lora with PEFT."""
     import transformers
 
-    from foak.patching import default_config
+    from foak.api import default_config
 
     spec = BUILTIN_MODELS[model_name]
     with torch.device("meta"):
@@ -137,7 +137,7 @@ def experiment(model_name: str, variant: str, checkpointing: bool = False, packe
             "model": model_name, "framework": variant,
             "model_spec": {"builtin": model_name, "path": None, "hub": None, "init": "pretrained", "overrides": {},
                            "batch_size": None, "seq_length": None},
-            # foak: every switch foak has for the model (foak.patching.default_config; fused_lora with PEFT)
+            # foak: every switch foak has for the model (foak.api.default_config; fused_lora with PEFT)
             "framework_spec": {"name": variant, "kind": kind, "config": None, "switches": switches, "options": {},
                                "callable": None, "requires": [], "env": {}},
             "batch_size": model.batch_size, "seq_length": model.seq_length, "packing": packed,

@@ -97,7 +97,7 @@ def apply_variant(model, variant: str):
         apply_liger_kernel_to_mistral(model=model)
         return model, None
     import foak
-    from foak.patching import default_config
+    from foak.api import default_config
 
     switches = {k: True for k, v in default_config(model).model_dump(exclude={"mode", "base_layer"}).items()
                 if v is True}

@@ -198,7 +198,7 @@ def test_foak_key_overrides_foaks_defaults(tiny_llama):
     import transformers
 
     from foak.integrations.axolotl import resolve_config
-    from foak.patching import default_config
+    from foak.api import default_config
 
     model = transformers.AutoModelForCausalLM.from_pretrained(tiny_llama / "model")
     defaults = default_config(model)

@@ -117,7 +117,7 @@ def test_an_unsupported_architecture_fails_before_the_data_is_read(tmp_path, cap
 def test_foak_patch_without_a_config_enables_every_switch_for_the_model():
     import peft
 
-    from foak.patching import default_config
+    from foak.api import default_config
     from foak.verify import fixed_batch
 
     model = tiny_model("llama")

@@ -43,7 +43,7 @@ def test_import_foak_is_light_and_its_public_names_and_submodules_still_resolve(
         checks = {{
             "light": light,
             "resolved": [n for n in names if getattr(foak, n, None) is not None],
-            "patch": foak.patch is foak.patching.patch and foak.restore is foak.patching.restore,
+            "patch": foak.patch is foak.api.patch and foak.restore is foak.api.restore,
             "rms_norm": foak.rms_norm is foak.ops.rms_norm.rms_norm,
             "set_backend": foak.set_backend is foak.backend.set_backend,
             "submodule": foak.ops.rms_norm.__name__,

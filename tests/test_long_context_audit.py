@@ -83,7 +83,7 @@ def test_foaks_long_context_path_allocates_nothing_of_sequence_squared_or_vocab_
     monkeypatch.setattr(replacements, "FUSED_LOSS_CHUNK_BYTES", 16 * VOCAB * 4)
     monkeypatch.setattr(replacements, "FUSED_LOSS_CHUNK_BYTES_FP32_ACCUMULATION", 16 * VOCAB * 4)
     model = model_for(lora)
-    switches = {**foak.patching.default_config(model).model_dump(exclude={"mode"}),
+    switches = {**foak.api.default_config(model).model_dump(exclude={"mode"}),
                 "tiled_mlp": True, "tiled_mlp_chunk_tokens": 32}
     assert switches["fused_linear_loss"] and switches["fast_packed_attention"]
     report = foak.patch(model, **switches)

@@ -302,7 +302,7 @@ def test_implementations_that_handle_packing_themselves_are_left_alone(attn):
 
 
 def test_default_config_has_it_and_a_deepcopy_gets_its_own_patch():
-    from foak.patching import default_config
+    from foak.api import default_config
 
     assert default_config(build("llama")).fast_packed_attention
     model = build("llama")

@@ -143,6 +143,26 @@ def test_pickle_of_a_patched_model_loads_patched():
     foak.restore(model)
 
 
+def test_pickle_of_a_model_patched_with_offload_loads_with_its_rules_and_budget():
+    # the offload rule is not one of the architecture's own: it comes back from foak.api's rules source, budget
+    # included (before, loading failed: "patched with rules this foak does not have")
+    model = tiny_model("llama")
+    foak.patch(model, fast_rms_layernorm=True, offload_activations=True, offload_budget_gib=8e-6)  # 1 layer
+    buffer = io.BytesIO()
+    torch.save(model, buffer)
+    buffer.seek(0)
+    loaded = torch.load(buffer, weights_only=False)
+    rows = {r.rule_id: r for r in loaded.__dict__["_foak_patch_state"].report.results}
+    assert rows["llama.offload_activations"].modules == 1 and rows["llama.rms_norm"].modules > 0
+    loaded.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    loaded.train()
+    ids = torch.randint(0, loaded.config.vocab_size, (2, 12))
+    loaded(input_ids=ids, labels=ids).loss.backward()
+    assert "1 of 2 checkpointed layers' inputs offloaded" in rows["llama.offload_activations"].notes, str(rows)
+    foak.restore(loaded)
+    foak.restore(model)
+
+
 # ---- LoRA layers that appear after foak.patch --------------------------------------------------------
 
 

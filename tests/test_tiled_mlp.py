@@ -53,7 +53,7 @@ def tiny(arch: str, lora: bool, checkpointing):
 
 def defaults(model, **extra):
     """foak's default switches for ``model`` (every kernel of its architecture, fused LoRA on a PEFT model)."""
-    return {**foak.patching.default_config(model).model_dump(exclude={"mode"}), **extra}
+    return {**foak.api.default_config(model).model_dump(exclude={"mode"}), **extra}
 
 
 def batch(seq: int = 19):  # 2 x 19 = 38 tokens: chunks of 8 -> 5 chunks, the last of 6
@@ -201,7 +201,7 @@ def test_short_inputs_run_whole(reference_ops):
 
 def test_default_chunk_is_hidden_size_and_tiled_mlp_is_opt_in(reference_ops):
     model = tiny("llama", False, None)
-    assert not foak.patching.default_config(model).tiled_mlp
+    assert not foak.api.default_config(model).tiled_mlp
     report = foak.patch(model, fast_swiglu=True, tiled_mlp=True)
     model(**batch(seq=40))  # 80 tokens, chunk 32 (hidden size): 3 chunks
     assert "2 forwards tiled (6 chunks of <= 32 tokens)" in report.result("llama.tiled_mlp").notes

@@ -2,7 +2,7 @@
 
 ``import foak`` is light (no torch, no transformers): the public names below and the submodules
 (``foak.ops``, ``foak.patching``, ...) are imported on first use, so ``foak --help`` and the command line's
-argument errors come back at once. ``foak.patch`` imports foak.patching, which also registers foak's server
+argument errors come back at once. ``foak.patch`` imports foak.api, which also registers foak's server
 for TRL's fused LM head (foak.integrations.trl)."""
 
 from __future__ import annotations
@@ -20,8 +20,8 @@ _EXPORTS = {
     "lora_glu_linear": "foak.ops.lora_glu_linear",
     "lora_linear": "foak.ops.lora",
     "lora_linears": "foak.ops.lora",
-    "patch": "foak.patching",
-    "restore": "foak.patching",
+    "patch": "foak.api",
+    "restore": "foak.api",
     "rms_norm": "foak.ops.rms_norm",
     "rope": "foak.ops.rope",
     "set_backend": "foak.backend",

@@ -5,7 +5,7 @@ and no dataset it trains the embedded default: a tiny Llama built from a config,
 generated corpus, all made locally.
 
 Kernels: without ``--acceleration_config`` every switch foak has for the model's architecture
-(:func:`foak.patching.default_config`: RMSNorm, RoPE, SwiGLU and the fused linear+loss where the architecture
+(:func:`foak.api.default_config`: RMSNorm, RoPE, SwiGLU and the fused linear+loss where the architecture
 has them, plus ``fused_lora`` with ``--peft lora`` / ``qlora-nf4``); the patch report says which.
 ``--acceleration_config none`` trains without foak (the baseline); a YAML chooses the switches itself, and its
 stanza must match ``--peft`` (``training`` for ``--peft none``, ``peft`` otherwise). An architecture foak has
@@ -556,7 +556,7 @@ def train(argv: list[str], checked: CheckedRun | None = None) -> dict:
             check_model(model)  # warns if bitsandbytes' CPU dequantization is wrong here for the model's layers
     else:
         if config == "default":
-            from foak.patching import default_config
+            from foak.api import default_config
 
             config = default_config(model)
             if foak_args.long_context:

@@ -356,7 +356,7 @@ def long_context_switches() -> list[str]:
 
 def resolve_config(foak_args):
     """What to patch with: None (no foak: ``--acceleration_config none``), "default" (every switch foak has
-    for the model, :func:`foak.patching.default_config`, chosen once the model is built) or the YAML's
+    for the model, :func:`foak.api.default_config`, chosen once the model is built) or the YAML's
     AccelerationConfig, whose stanza must match --peft."""
     from foak.config import FULL_STANZA, PEFT_STANZA, load_config
 

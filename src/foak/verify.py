@@ -378,7 +378,7 @@ def verify_model(model, switches: list[str] | None = None) -> VerifyReport:
     fp32: the loss and every parameter's gradient of the patched copy within 1e-5 (relative) of the
     unpatched copy's. bf16 / fp16: each within max(LOW_PRECISION_FACTOR x the unpatched low-precision
     model's own error, a floor) of an fp32 copy's (see LOW_PRECISION_FACTOR)."""
-    from foak.patching import default_config, is_patched, patch
+    from foak.api import default_config, is_patched, patch
 
     if is_patched(model):
         raise ValueError("foak verify: the model is already patched; pass the unpatched model (foak.restore(model))")

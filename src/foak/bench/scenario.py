@@ -10,7 +10,7 @@ models:                              # optional: built-in shapes (foak.bench.mod
 frameworks:                          # the comparison axis: none (HF as is) | foak | liger, or a mapping
   - none
   - liger                            # skipped (recorded as such) when liger-kernel is not installed
-  - foak                             # every kernel foak has for the model (foak.patching.default_config)
+  - foak                             # every kernel foak has for the model (foak.api.default_config)
   - {name: foak-norm, kind: foak, switches: {fast_rms_layernorm: true}}   # or config: foak.yaml
   - {name: mine, kind: python, callable: my_pkg.accel:apply, requires: [my_pkg]}   # any other peer:
                                      # fn(model, experiment) patches the model (skipped without my_pkg)

@@ -1,10 +1,10 @@
 """Hooks into training frameworks: FoakCallback for HF Trainer / TRL scripts (integrations/trainer.py) and
 TRL's fused LM head served by foak's loss (integrations/trl.py, registered with the fused_linear_loss rule when
-foak.patching is imported)."""
+foak.api is imported)."""
 
 
 def __getattr__(name):
-    # lazy: importing foak.patching imports foak.integrations.trl, which must not pull in transformers' Trainer
+    # lazy: importing foak.api imports foak.integrations.trl, which must not pull in transformers' Trainer
     if name == "FoakCallback":
         from foak.integrations.trainer import FoakCallback
 

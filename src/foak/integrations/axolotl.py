@@ -193,10 +193,10 @@ def _named(plugins: Any) -> bool:
 
 def resolve_config(model, switches: Mapping[str, Any] | None):
     """The AccelerationConfig foak patches ``model`` with: foak.patch's defaults for it
-    (foak.patching.default_config), each switch in ``switches`` overriding its default. Setting one of
+    (foak.api.default_config), each switch in ``switches`` overriding its default. Setting one of
     fused_linear_loss / fast_loss true turns the other off (they exclude each other)."""
     from foak.config import config_from_kwargs
-    from foak.patching import default_config
+    from foak.api import default_config
 
     base = default_config(model)
     merged = base.model_dump(exclude={"mode"})

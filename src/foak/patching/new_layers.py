@@ -46,8 +46,6 @@ class NewLoraLayers:
         return "peft.tuners.lora.layer" in sys.modules and _lora_layers(model) != model.__dict__.get(_SEEN, 0)
 
     def update(self, model, state) -> None:
-        from foak.models import rules_for
-
         count = _lora_layers(model)
         report = state.report
         if not self.fuse:
@@ -62,7 +60,10 @@ class NewLoraLayers:
             return
         model.__dict__[_SEEN] = count
         switches = self.switches | {LORA_SWITCH}
-        extend(model, [r for r in rules_for(model) if r.switch in switches])
+        if state.rules_source is None:
+            raise RuntimeError("foak: PEFT LoRA layers appeared after patching, but the model was patched without a "
+                               "rules source to fuse them from (foak.patching.apply(..., rules_source=...))")
+        extend(model, [r for r in state.rules_source(model) if r.switch in switches])
         for row in report.results:
             if row.switch == LORA_SWITCH and row.modules:
                 row.note_runtime("added", f"patched on the first forward after {count} PEFT LoRA layers appeared "

@@ -530,7 +530,7 @@ FUSED_LOSS_CHUNK_BYTES_FP32_ACCUMULATION = 1024 * 2**20
 
 
 # Integrations that serve another library's fused LM head with foak's loss register here (imports point
-# down: foak.integrations.trl appends itself when foak.patching is imported). Each is called as
+# down: foak.integrations.trl appends itself when foak.api is imported). Each is called as
 # hook(causal_lm, state, chunk_bytes_of_weight) for every causal LM the fused_linear_loss rule patches.
 FUSED_HEAD_HOOKS: list = []
 

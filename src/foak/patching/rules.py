@@ -292,7 +292,7 @@ class PatchState:
 
 
 def apply(model: nn.Module, rules: list[Rule], model_type: str = "", _report: PatchReport | None = None,
-          watch=None) -> PatchReport:
+          watch=None, rules_source: Callable[[nn.Module], list[Rule]] | None = None) -> PatchReport:
     """Patch ``model`` in place with ``rules``; applying the same rules again is a no-op that returns the
     first report, applying different ones is an error (restore first).
 
@@ -300,7 +300,12 @@ def apply(model: nn.Module, rules: list[Rule], model_type: str = "", _report: Pa
     start of each eager forward of the model's decoder stack (``model.base_model``: every way of running the
     model calls it, TRL's fused LM head too), ``update`` runs when ``changed`` says the model gained modules
     the rules should see (PEFT LoRA layers added after patching; foak.patching.new_layers), typically
-    calling :func:`extend`."""
+    calling :func:`extend`.
+
+    ``rules_source(model)``: every rule the model's patch may draw on, by id (foak.api's ``rules_of``: the
+    architecture's rules and the optional ones the config added); the watch extends the patch from it, and a
+    pickled patched model is patched again from it when it loads (a module-level function or a partial of one,
+    pickled by reference). This mechanism knows no architecture: whoever applies rules names their source."""
     state = model.__dict__.get(_STATE_ATTR)
     if state is not None:
         if [r.id for r in state.rules] != [r.id for r in rules]:
@@ -315,7 +320,7 @@ def apply(model: nn.Module, rules: list[Rule], model_type: str = "", _report: Pa
     report.results = []
     report._model = weakref.ref(model)
     state = PatchState(report)
-    state.rules, state.model_type, state.watch = [], model_type, watch
+    state.rules, state.model_type, state.watch, state.rules_source = [], model_type, watch, rules_source
     try:
         _apply_rules(model, state, rules, previous, {})
     except BaseException:
@@ -450,7 +455,7 @@ def _deepcopy_patched(model: nn.Module, memo: dict) -> nn.Module:
     with the same rules."""
     state = model.__dict__[_STATE_ATTR]
     clone = _unpatched_copy(model, memo)
-    apply(clone, state.rules, state.model_type, watch=state.watch)
+    apply(clone, state.rules, state.model_type, watch=state.watch, rules_source=state.rules_source)
     return clone
 
 
@@ -459,28 +464,34 @@ def _unpatched_copy(model: nn.Module, memo: dict | None = None) -> nn.Module:
 
     state = model.__dict__[_STATE_ATTR]
     rules, model_type, report, watch = state.rules, state.model_type, state.report, state.watch
+    rules_source = state.rules_source
     restore(model)
     try:
         return copy.deepcopy(model, memo)
     finally:
-        apply(model, rules, model_type, _report=report, watch=watch)  # the report the user holds stays live
+        apply(model, rules, model_type, _report=report, watch=watch,  # the report the user holds stays live
+              rules_source=rules_source)
 
 
 def _reduce_patched(model: nn.Module):
     """Pickle a patched model as an unpatched copy (the whole model is copied once, transiently) and the ids of
     the rules it is patched with; unpickling patches it again with the rules of its architecture."""
     state = model.__dict__[_STATE_ATTR]
-    return _unpickle_patched, (_unpatched_copy(model), [r.id for r in state.rules], state.model_type, state.watch)
+    return _unpickle_patched, (_unpatched_copy(model), [r.id for r in state.rules], state.model_type, state.watch,
+                               state.rules_source)
 
 
-def _unpickle_patched(model: nn.Module, rule_ids: list[str], model_type: str, watch) -> nn.Module:
-    from foak.models import rules_for  # (imported when a pickled patched model is loaded)
-
-    by_id = {r.id: r for r in rules_for(model)}
+def _unpickle_patched(model: nn.Module, rule_ids: list[str], model_type: str, watch,
+                      rules_source=None) -> nn.Module:
+    if rules_source is None:
+        raise ValueError("foak: this pickled model was patched without a rules source (foak.patching.apply with "
+                         "rules_source=None), so its rules cannot be found again: pickle it unpatched "
+                         "(foak.restore) and patch it after loading")
+    by_id = {r.id: r for r in rules_source(model)}
     missing = [i for i in rule_ids if i not in by_id]
     if missing:
         raise ValueError(f"foak: the pickled model was patched with rules this foak does not have: {missing}")
-    apply(model, [by_id[i] for i in rule_ids], model_type, watch=watch)
+    apply(model, [by_id[i] for i in rule_ids], model_type, watch=watch, rules_source=rules_source)
     return model
 
 
