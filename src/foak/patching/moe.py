@@ -29,14 +29,13 @@ numbers; a subclass that overrides ``_apply_gate`` is not registered and keeps i
 from __future__ import annotations
 
 import math
-import weakref
 from typing import NamedTuple
 
 import torch
 from torch import nn
 
 from foak.ops.moe import moe_experts
-from foak.patching.rules import Rule, SharedAcrossCopies, Skip, Trigger, call_next
+from foak.patching.rules import CallCounts, Rule, Skip, Trigger, call_next
 
 _HF_MOE: list = []  # [the module or None], found once (at patch time: support() reads it per call, also traced)
 
@@ -214,17 +213,18 @@ def support(module: nn.Module) -> tuple[str | None, str | None]:
 # ---- call counts (what really ran), shown in the rule's report row ------------------------------------
 
 
-class _Counts(SharedAcrossCopies):
+class _Counts(CallCounts):
     def __init__(self, row):
-        self.row, self.foak, self.other, self.previous = row, 0, {}, set()
+        super().__init__(row)
+        self.foak, self.other, self.previous = 0, {}, set()
 
     def count(self, reason: str | None, previous: str) -> None:
-        if torch.compiler.is_compiling():
+        if not self.counting():
             return
         if reason is None:
             self.foak += 1
         else:
-            self.other[reason] = self.other.get(reason, 0) + 1
+            self.bump(self.other, reason)
             self.previous.add(previous)
         text = f"foak moe_experts ran {self.foak} call{'s' if self.foak != 1 else ''}"
         if self.other:
@@ -232,26 +232,16 @@ class _Counts(SharedAcrossCopies):
             reasons = ", ".join(f"{why} ({n})" for why, n in sorted(self.other.items()))
             text += (f"; the previous implementation ({'/'.join(sorted(self.previous))}) ran {total} "
                      f"call{'s' if total != 1 else ''}: {reasons}")
-        self.row.note_runtime("calls", text)
-
-
-# the counts live as long as the report (which survives a re-patch after a deepcopy)
-_COUNTS: dict[tuple[int, str], _Counts] = {}
+        self.show(text)
 
 
 def _counts_of(state, rule_id: str) -> _Counts:
-    key = (id(state.report), rule_id)
-    counts = _COUNTS.get(key)
-    if counts is None:
-        counts = _COUNTS[key] = _Counts(state.result)
-        weakref.finalize(state.report, _COUNTS.pop, key, None)
-    counts.row = state.result
-    return counts
+    return _Counts.of(state, rule_id)
 
 
 def moe_counts(report, rule_id: str) -> tuple[int, dict[str, int]]:
     """(calls foak's moe_experts ran, {reason: calls the previous implementation ran}) of a report's MoE row."""
-    counts = _COUNTS.get((id(report), rule_id))
+    counts = _Counts.find(report, rule_id)
     return (0, {}) if counts is None else (counts.foak, dict(counts.other))
 
 

@@ -92,7 +92,7 @@ from torch import nn
 
 from foak.ops import varlen_attention as _varlen
 from foak.patching import globals as globals_
-from foak.patching.rules import Rule, SharedAcrossCopies, Skip, Trigger, call_next
+from foak.patching.rules import CallCounts, Rule, SharedAcrossCopies, Skip, Trigger, call_next
 
 IMPLEMENTATION = "foak"  # the name registered in transformers' attention and attention-mask interfaces
 TAKEN_OVER = ("sdpa", "eager")  # the implementations that build the dense block-causal mask
@@ -111,9 +111,10 @@ def _hf():
 # ---- call counts (what really ran), shown in the rule's report row ----------------------------------
 
 
-class _Counts:
+class _Counts(CallCounts):
     def __init__(self, row, previous: str):
-        self.row, self.previous = row, previous
+        super().__init__(row)
+        self.previous = previous
         self.packed: dict[str, int] = {}  # backend -> calls
         self.windowed: dict[str, int] = {}  # backend -> calls of sliding-window layers on unpacked batches
         self.full: dict[str, int] = {}  # backend -> calls of full-attention layers on unpacked batches (sinks)
@@ -122,14 +123,13 @@ class _Counts:
 
     def count(self, backend: str | None, reason: str | None = None, windowed: bool = False, full: bool = False,
               sinks: bool = False) -> None:
-        if torch.compiler.is_compiling():
+        if not self.counting():
             return
         if backend is not None:
-            ran = self.full if full else self.windowed if windowed else self.packed
-            ran[backend] = ran.get(backend, 0) + 1
+            self.bump(self.full if full else self.windowed if windowed else self.packed, backend)
             self.sinks += bool(sinks)
         else:
-            self.other[reason] = self.other.get(reason, 0) + 1
+            self.bump(self.other, reason)
         packed = sum(self.packed.values())
         text = f"foak varlen attention ran {_calls(packed)}"
         if self.packed:
@@ -147,7 +147,7 @@ class _Counts:
         if self.other:
             reasons = ", ".join(f"{why} ({n})" for why, n in sorted(self.other.items()))
             text += f"; the previous implementation ({self.previous}) ran {_calls(sum(self.other.values()))}: {reasons}"
-        self.row.note_runtime("calls", text)
+        self.show(text)
 
 
 def _forwards(n: int) -> str:
@@ -211,8 +211,6 @@ def _sdpa_cudnn_first():
 # id(config) -> (weak config, the implementation it named before foak selected its own): for the mask
 # function, which receives the config only, and for models sharing a patched model's config object
 _PREVIOUS: dict[int, tuple] = {}
-# the counts live as long as the report (which survives a re-patch after a deepcopy)
-_COUNTS: dict[tuple[int, str], _Counts] = {}
 
 
 def _previous_of(config) -> str | None:
@@ -221,18 +219,14 @@ def _previous_of(config) -> str | None:
 
 
 def _counts_of(state, rule_id: str, previous: str) -> _Counts:
-    key = (id(state.report), rule_id)
-    counts = _COUNTS.get(key)
-    if counts is None:
-        counts = _COUNTS[key] = _Counts(state.result, previous)
-        weakref.finalize(state.report, _COUNTS.pop, key, None)
-    counts.row, counts.previous = state.result, previous
+    counts = _Counts.of(state, rule_id, previous)
+    counts.previous = previous
     return counts
 
 
 def packed_attention_counts(report, rule_id: str) -> tuple[dict[str, int], dict[str, int]]:
     """({backend: packed calls foak ran}, {reason: calls the previous implementation ran}) of a report's row."""
-    counts = _COUNTS.get((id(report), rule_id))
+    counts = _Counts.find(report, rule_id)
     return ({}, {}) if counts is None else (dict(counts.packed), dict(counts.other))
 
 
@@ -240,14 +234,14 @@ def sink_attention_counts(report, rule_id: str) -> tuple[int, dict[str, int]]:
     """(calls of foak's varlen attention with attention sinks, {backend: calls of full-attention layers of
     unpacked batches}) of a report's row: a model with sinks (gpt-oss) runs every layer of an unpacked batch
     through foak's varlen attention."""
-    counts = _COUNTS.get((id(report), rule_id))
+    counts = _Counts.find(report, rule_id)
     return (0, {}) if counts is None else (counts.sinks, dict(counts.full))
 
 
 def window_attention_counts(report, rule_id: str) -> dict[str, int]:
     """{backend: calls of sliding-window layers on unpacked batches that foak's varlen attention ran} of a
     report's row (the calls of the previous implementation are in :func:`packed_attention_counts`)."""
-    counts = _COUNTS.get((id(report), rule_id))
+    counts = _Counts.find(report, rule_id)
     return {} if counts is None else dict(counts.windowed)
 
 

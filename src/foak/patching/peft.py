@@ -28,7 +28,7 @@ from foak.ops.lora import lora_linear, lora_linears
 from foak.ops.lora_glu_linear import lora_glu_linear
 from foak.patching.lora_bases import format_of
 from foak.patching.replacements import _plain_linear
-from foak.patching.rules import Rule, SharedAcrossCopies, Trigger, forward_link, call_next
+from foak.patching.rules import CallCounts, Rule, Trigger, forward_link, call_next
 
 
 def _lora_layer_module():
@@ -96,45 +96,36 @@ def _describe(model: nn.Module) -> str | None:
     return None
 
 
-class _Counts(SharedAcrossCopies):
+class _Counts(CallCounts):
     """Fused and fallen-back calls of one rule on one model, shown in its report row (a copy of a patched
     layer counts into the same row)."""
 
     def __init__(self, row, rule_id: str = ""):
-        self.row, self.fused, self.peft, self.rule_id = row, 0, {}, rule_id
+        super().__init__(row)
+        self.fused, self.peft, self.rule_id = 0, {}, rule_id
 
     def count(self, reason: str | None) -> None:
-        if torch.compiler.is_compiling():
+        if not self.counting():
             return
         if reason is None:
             self.fused += 1
         else:
-            self.peft[reason] = self.peft.get(reason, 0) + 1
+            self.bump(self.peft, reason)
         text = f"fused {self.fused} call{'s' if self.fused != 1 else ''}"
         if self.peft:
             total = sum(self.peft.values())
             reasons = ", ".join(f"{why} ({n})" for why, n in sorted(self.peft.items()))
             text += f"; PEFT's path {total} call{'s' if total != 1 else ''}: {reasons}"
-        self.row.note_runtime("calls", text)
-
-
-# the counts live as long as the report (which survives a re-patch after a deepcopy)
-_COUNTS: dict[tuple[int, str], _Counts] = {}
+        self.show(text)
 
 
 def _counts_of(state, rule_id: str) -> _Counts:
-    key = (id(state.report), rule_id)
-    counts = _COUNTS.get(key)
-    if counts is None:
-        counts = _COUNTS[key] = _Counts(state.result, rule_id)
-        weakref.finalize(state.report, _COUNTS.pop, key, None)
-    counts.row = state.result  # the current row of that report
-    return counts
+    return _Counts.of(state, rule_id, rule_id)
 
 
 def fused_lora_counts(report, rule_id: str) -> tuple[int, dict[str, int]]:
     """(fused calls, {reason: PEFT-path calls}) of a report's fused_lora row so far ((0, {}) if it ran none)."""
-    counts = _COUNTS.get((id(report), rule_id))
+    counts = _Counts.find(report, rule_id)
     return (0, {}) if counts is None else (counts.fused, dict(counts.peft))
 
 

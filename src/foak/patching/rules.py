@@ -163,6 +163,43 @@ class SharedAcrossCopies:
         return self
 
 
+class CallCounts(SharedAcrossCopies):
+    """What really ran, call by call, shown in one rule's report row (subclasses: fused_lora's, fast_moe's, packed
+    attention's; each formats its own note). One per (report, rule): :meth:`of` finds or makes it, and it lives
+    as long as the report (which a re-patch after a deepcopy refills); :meth:`find` reads it. Calls made while
+    torch.compile traces are not counted (``counting()``): a compiled graph's rows say so themselves."""
+
+    def __init__(self, row):
+        self.row = row
+
+    @staticmethod
+    def counting() -> bool:
+        return not torch.compiler.is_compiling()
+
+    @staticmethod
+    def bump(counts: dict, key) -> None:
+        counts[key] = counts.get(key, 0) + 1
+
+    def show(self, text: str) -> None:
+        self.row.note_runtime("calls", text)
+
+    @classmethod
+    def of(cls, state, rule_id: str, *args):
+        key = (id(state.report), rule_id)
+        counts = _CALL_COUNTS.get(key)
+        if counts is None:
+            counts = _CALL_COUNTS[key] = cls(state.result, *args)
+            weakref.finalize(state.report, _CALL_COUNTS.pop, key, None)
+        counts.row = state.result  # the current row of that report
+        return counts
+
+    @staticmethod
+    def find(report, rule_id: str):
+        return _CALL_COUNTS.get((id(report), rule_id))
+
+
+_CALL_COUNTS: dict[tuple[int, str], CallCounts] = {}
+
 # module.__dict__ key: {rule id: [what module.forward was before (None: the class's), active, the installed
 # forward, the rule's function it calls while active]}
 _LINKS = "_foak_forwards"
