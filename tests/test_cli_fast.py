@@ -91,6 +91,8 @@ def test_help_version_and_argument_errors_come_before_torch_and_transformers(tmp
         (["train", "--acceleration_config", str(typo)], 2, "did you mean 'fast_rms_layernorm'"),
         (["train", "--acceleration_config", str(peft_stanza)], 2, "but --peft is none"),
         (["train", "--long_context", "--gradient_checkpointing", "false"], 2, "--long_context needs gradient"),
+        (["train", "--long_context", "--activation-checkpointing=no"], 2,
+         "inputs): drop --activation-checkpointing=no"),  # (the flag as given, not --gradient_checkpointing false)
         (["train", "--model", "./no-such-model"], 2, "--model ./no-such-model: no such directory"),
         (["train", "--model", str(tmp_path / "empty")], 2, "it has no config.json"),
         (["bogus"], 2, "argument command: invalid choice: 'bogus'"),

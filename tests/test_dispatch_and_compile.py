@@ -215,12 +215,13 @@ def test_cli_verify_model_checks_every_rule_of_the_model(capsys):
     assert main(["verify", "--arch", "llama"]) == 0
     out = capsys.readouterr().out
     assert "tiny llama" in out and "FAIL" not in out and "not checked" not in out
-    rows = [line.split("  ")[0] for line in out.splitlines()[2:12]]
-    assert rows == ["fused_linear_loss", "loss", "rms_norm", "rope", "swiglu", "tiled_mlp", "packed_attention",
+    rows = [line.split("  ")[0] for line in out.splitlines()[2:13]]
+    assert rows == ["fused_linear_loss", "loss", "offload_activations", "rms_norm", "rope", "swiglu", "tiled_mlp", "packed_attention",
                     "all: fused_linear_loss, packed_attention, rms_norm, rope, swiglu, tiled_mlp", "lora",
                     "all: lora, fused_linear_loss, packed_attention, rms_norm, rope, swiglu, tiled_mlp"], out
     # the fused paths ran, none fell back (tiled_mlp's chunks call the MLP's LoRA layers once per chunk)
     assert re.search(r"lora (\d+)/\1; packed_attention 2/2", out), out
     assert "tiled_mlp: 2 forwards tiled" in out
     assert "no rule for this architecture: fast_moe" in out
-    assert out.splitlines()[-1] == "verify: PASS: 10 of 10 checks passed"
+    assert "offload_activations 2/2" in out  # 2 of 2 checkpointed layers' inputs offloaded
+    assert out.splitlines()[-1] == "verify: PASS: 11 of 11 checks passed"

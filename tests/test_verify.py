@@ -17,6 +17,7 @@ from foak.models.tiny import tiny_model
 from foak.testing import relative_error
 from foak.verify import format_report, lora_model, packed_batch, switches_to_check, verify_model
 
+verify = importlib.import_module("foak.verify")
 rms_norm_op = importlib.import_module("foak.ops.rms_norm")  # the module (foak.ops.rms_norm is also the function)
 
 
@@ -103,14 +104,33 @@ def test_verify_names_what_it_did_not_check(monkeypatch):
     text = format_report(report)
     assert "not checked: lora (fused_lora): peft is not installed" in text
     assert "no rule for this architecture: fast_moe" in text
-    assert text.splitlines()[-1] == ("verify: PASS: 1 of 1 checks passed; 7 rules not checked: fused_linear_loss, "
-                                     "loss, rms_norm, rope, swiglu, tiled_mlp, lora")
+    assert text.splitlines()[-1] == ("verify: PASS: 1 of 1 checks passed; 8 rules not checked: fused_linear_loss, "
+                                     "loss, offload_activations, rms_norm, rope, swiglu, tiled_mlp, lora")
     # a rule that patches nothing is named with the report's reason; nothing checked at all is an error
     model = tiny_model("llama")
     model.config._attn_implementation = "flex_attention"
     with pytest.raises(ValueError, match=r"nothing could be checked: packed_attention \(fast_packed_attention\): "
                                          r"patched no module .*'flex_attention'"):
         verify_model(model, ["packed_attention"])
+
+
+def test_verify_checks_offload_activations_and_fails_when_nothing_was_offloaded(monkeypatch):
+    # before: offload_activations (foak train --long_context's) was "not available for llama" under --rules and
+    # named nowhere in a default run. Its row runs the patched copy with gradient checkpointing in training mode
+    report = verify_model(tiny_model("llama"), ["offload_activations"])
+    [row] = report.rows
+    assert (row.name, row.batch_kind, row.calls_text) == ("offload_activations", "padded", "offload_activations 2/2")
+    assert row.passed and row.loss_error <= 1e-5 and row.grad_error <= 1e-5, row
+    assert "2 of 2 checkpointed layers' inputs offloaded" in row.notes
+    # no checkpointing, so nothing offloaded: the numbers match, the row fails
+    monkeypatch.setattr(verify, "_checkpointed_training", lambda model: None)
+    [row] = verify_model(tiny_model("llama"), ["fast_rms_layernorm", "offload_activations"]).rows[:1]
+    assert row.name == "offload_activations" and not row.passed and row.grad_error <= 1e-5, row
+    assert row.problems == ["offload_activations: no layer's input was offloaded (no checkpointed layer ran)"]
+    # a setting is not a rule: said so, not "not available"
+    with pytest.raises(ValueError, match=r"\['cudnn_attention'\] is a setting of a rule, not a rule switch: foak "
+                                         r"verify does not check it"):
+        verify_model(tiny_model("llama"), ["cudnn_attention"])
 
 
 def test_fp64_arbiter_passes_rounding_sensitive_gradients_and_fails_wrong_ones():

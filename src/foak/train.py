@@ -69,6 +69,7 @@ from foak.train_cli import (  # noqa: F401
     TRAINER_DEFAULTS,
     CheckedRun,
     FoakArguments,
+    _checkpointing_given_as,
     _given_checkpointing,
     _is_embedded,
     _unknown_arguments_error,
@@ -132,7 +133,7 @@ def resolve_gradient_checkpointing(argv: list[str], foak_args, training_args) ->
     given = _given_checkpointing(argv)
     if foak_args.long_context and given is False:
         raise ValueError("--long_context needs gradient checkpointing (its offloading keeps the checkpointed layers' "
-                         "inputs): drop --gradient_checkpointing false")
+                         f"inputs): drop {_checkpointing_given_as(argv)}")
     on = given if given is not None else (foak_args.peft == "qlora-nf4" or foak_args.long_context)
     training_args.activation_checkpointing = training_args.gradient_checkpointing = bool(on)
     # transformers >= 5.24 names them activation_checkpointing*, 5.17 gradient_checkpointing* only

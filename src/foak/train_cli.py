@@ -307,8 +307,19 @@ def foak_arguments(namespace: argparse.Namespace, argv: list[str]) -> FoakArgume
                          "--long_context")
     if foak_args.long_context and _given_checkpointing(argv) is False:
         raise ValueError("--long_context needs gradient checkpointing (its offloading keeps the checkpointed layers' "
-                         "inputs): drop --gradient_checkpointing false")
+                         f"inputs): drop {_checkpointing_given_as(argv)}")
     return foak_args
+
+
+def _checkpointing_given_as(argv: list[str]) -> str:
+    """The last --gradient_checkpointing / --activation_checkpointing option of ``argv`` as written (with its
+    value), for an error naming what the user passed."""
+    flags = {f"--{a}{sep}checkpointing" for a in ("gradient", "activation") for sep in "_-"}
+    for i in range(len(argv) - 1, -1, -1):
+        if argv[i].split("=", 1)[0] in flags:
+            value = argv[i + 1] if "=" not in argv[i] and i + 1 < len(argv) and not argv[i + 1].startswith("-") else ""
+            return f"{argv[i]} {value}".strip()
+    return "--gradient_checkpointing false"
 
 
 def parse_foak_arguments(argv: list[str]) -> FoakArguments:

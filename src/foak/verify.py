@@ -11,6 +11,8 @@ What runs (:func:`verify_model`):
   is one;
 - the rules together as ``foak.patch(model)`` would patch them: the full fine-tuning ones on the padded
   batch, and those plus ``lora`` on the LoRA copy with the packed batch;
+- ``offload_activations`` alone on the padded batch, with gradient checkpointing and the decoder layers in
+  training mode (:func:`_checkpointed_training`): at least one layer's input must have been offloaded;
 - the rules whose report rows count their calls (``lora``, ``moe``, ``packed_attention``) must have run
   their fused path at least once in a row that exercises them, or the row fails;
 - a rule that patched no module of the model (e.g. ``packed_attention`` under flash attention) or that
@@ -38,7 +40,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from foak.config import SWITCH_TO_RULE
+from foak.config import SWITCH_TO_RULE, AccelerationConfig
 from foak.testing import relative_error
 
 SWITCH_KEYS = {rule: key for key, rule in SWITCH_TO_RULE.items()}  # rule switch -> config key
@@ -346,21 +348,27 @@ def switches_to_check(model, switches: list[str] | None = None) -> tuple[list[st
     """(the rule switches verify_model will try, {switch: why it is not checked}, the config keys foak has no
     rule for on this architecture). ``switches``: rule switches (``moe``) or config keys (``fast_moe``); None:
     every switch the architecture has."""
-    from foak.models import model_type_of, rules_for
+    from foak.api import rules_of
+    from foak.models import model_type_of
 
     model_type = model_type_of(model)
-    available = sorted({r.switch for r in rules_for(model)})
+    # (offload_activations is not per architecture: every model with a decoder stack of checkpointing layers)
+    available = sorted({r.switch for r in rules_of(model, offload=True)})
     if switches is None:
         switches = list(available)
     switches = [SWITCH_TO_RULE.get(s, s) for s in switches]  # config keys (fast_moe) name their rule (moe)
+    settings = sorted(set(switches) & (set(AccelerationConfig.model_fields) - set(SWITCH_TO_RULE) - {"mode"}))
+    if settings:  # (cudnn_attention: CUDA's cuDNN SDPA, which verify's batches never ask for)
+        raise ValueError(f"foak verify: {settings} {'is a setting' if len(settings) == 1 else 'are settings'} of a "
+                         f"rule, not a rule switch: foak verify does not check {'it' if len(settings) == 1 else 'them'}"
+                         f" (it checks the rules {available})")
     unknown = sorted(set(switches) - set(available))
     if unknown:
         raise ValueError(f"foak verify: {unknown} not available for {model_type} (available: {available})")
     if not switches:  # nothing compared is never a pass
         raise ValueError(f"foak verify: no rule to check (available for this model: {available or 'none'})")
     skipped = {s: "not requested (--rules)" for s in available if s not in switches}
-    unavailable = [key for rule, key in SWITCH_KEYS.items()
-                   if rule not in available and rule != "offload_activations"]  # (not per architecture)
+    unavailable = [key for rule, key in SWITCH_KEYS.items() if rule not in available]
     switches = [s for s in available if s in switches]
     if "lora" in switches and not _is_peft(model):
         try:
@@ -447,8 +455,8 @@ def verify_model(model, switches: list[str] | None = None) -> VerifyReport:
             check([s], base, base_kind, "padded")
     if "packed_attention" in switches:
         check(["packed_attention"], base, base_kind, "packed")
-    # together, as foak.patch(model) picks them (one loss)
-    together = [s for s in switches if s != "lora" and s not in skipped]
+    # together, as foak.patch(model) picks them (one loss); offload_activations only alone (it needs training mode)
+    together = [s for s in switches if s not in ("lora", "offload_activations") and s not in skipped]
     if "loss" in together and "fused_linear_loss" in together:  # they exclude each other: foak.patch's pick
         default = default_config(base).enabled_rules()
         together.remove("loss" if "fused_linear_loss" in default else "fused_linear_loss")
@@ -490,7 +498,11 @@ def _check(combo, name, model, model_kind, batch_kind, batches, reference, dtype
         skipped[combo[0]] = f"patched no module of the model ({notes or 'no reason given'})"
         return None
     ref, hf = reference(model, model_kind, batch_kind)
-    got = _run(patched, batches[batch_kind])
+    batch = batches[batch_kind]
+    if "offload_activations" in combo:  # it offloads the checkpointed layers' inputs of a training forward
+        _checkpointed_training(patched)
+        batch = {**batch, "use_cache": False}
+    got = _run(patched, batch)
     loss_error, loss_bound, grad_error, grad_bound, worst, arbitrated = _compare(got, ref, hf, dtype, exact)
     # a rule that patched modules alone but none together with the others
     problems = [f"{s}: patched no module together with the other rules" for s in idle]
@@ -504,7 +516,16 @@ def _check(combo, name, model, model_kind, batch_kind, batches, reference, dtype
         if fused == 0:
             why = ", ".join(f"{w} ({n})" for w, n in sorted(other.items())) or "it was never called"
             problems.append(f"{s}: the fused path never ran ({why})")
+    if "offload_activations" in combo:  # the layers whose inputs went to CPU memory in the forward
+        offloaded, kept = _offload_counts(patched)
+        calls["offload_activations"] = (offloaded, kept)
+        if offloaded == 0:
+            why = ", ".join(f"{w} ({n})" for w, n in sorted(kept.items())) or "no checkpointed layer ran"
+            problems.append(f"offload_activations: no layer's input was offloaded ({why})")
     notes = "; ".join(f"{r.rule_id}: {r.note}" for r in report.results if r.switch in combo and r.note)
+    if "offload_activations" in combo:  # what the row said about the forward (layers offloaded, bytes)
+        said = [t for r in report.results if r.switch == "offload_activations" for t in r.runtime.values()]
+        notes = "; ".join(filter(None, [notes, *(f"offload_activations: {t}" for t in said)]))
     if "tiled_mlp" in combo:  # the tiled path must have run (chunks of VERIFY_TILE_TOKENS)
         tiled = next((r.runtime.get("tiled", "") for r in report.results if r.switch == "tiled_mlp"), "")
         if not tiled or tiled.startswith("0 forwards tiled"):
@@ -518,6 +539,35 @@ def _check(combo, name, model, model_kind, batch_kind, batches, reference, dtype
     gc.collect()
     return VerifyRow(name, list(combo), model_kind, batch_kind, sum(modules.values()), calls,
                      loss_error, loss_bound, grad_error, grad_bound, worst, problems, notes)
+
+
+def _checkpointed_training(model) -> None:
+    """``model`` (a patched copy) set up as offload_activations acts: gradient checkpointing (non-reentrant, as
+    foak train uses it) and training mode on its decoder stacks and their layers only (what checkpointing and
+    the offload rule look at), every other module left in eval mode (dropout off, as in the reference)."""
+    from transformers.modeling_layers import GradientCheckpointingLayer
+
+    from foak.patching.offload import _layer_lists
+
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    for m in model.modules():
+        if isinstance(m, GradientCheckpointingLayer) or _layer_lists(m):
+            m.training = True
+
+
+def _offload_counts(model) -> tuple[int, dict[str, int]]:
+    """(checkpointed layers whose input the last forward offloaded, {why: layers kept on the device})."""
+    from foak.patching.offload import _layer_lists, state_of
+
+    offloaded, kept = 0, {}
+    for m in model.modules():
+        if _layer_lists(m):
+            stats = state_of(m)
+            offloaded += stats.get("offloaded_layers", 0)
+            for key, why in (("kept_layers", "budget spent"), ("leaf_layers", "a leaf of the autograd graph")):
+                if stats.get(key):
+                    kept[why] = kept.get(why, 0) + stats[key]
+    return offloaded, kept
 
 
 def gptq_quantization(path_or_config) -> dict | None:
