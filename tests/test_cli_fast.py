@@ -93,6 +93,8 @@ def test_help_version_and_argument_errors_come_before_torch_and_transformers(tmp
         (["train", "--long_context", "--gradient_checkpointing", "false"], 2, "--long_context needs gradient"),
         (["train", "--long_context", "--activation-checkpointing=no"], 2,
          "inputs): drop --activation-checkpointing=no"),  # (the flag as given, not --gradient_checkpointing false)
+        (["train", "--long_context", "--acceleration_config", "None"], 2,
+         "--long_context adds foak's offload_activations and tiled_mlp, which --acceleration_config none turns off"),
         (["train", "--model", "./no-such-model"], 2, "--model ./no-such-model: no such directory"),
         (["train", "--model", str(tmp_path / "empty")], 2, "it has no config.json"),
         (["bogus"], 2, "argument command: invalid choice: 'bogus'"),

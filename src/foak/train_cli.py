@@ -301,6 +301,10 @@ def foak_arguments(namespace: argparse.Namespace, argv: list[str]) -> FoakArgume
                              f"{', '.join(sorted(TINY_CONFIGS))}")
     if foak_args.acceleration_config is not None and foak_args.acceleration_config.lower() == "none":
         foak_args.acceleration_config = "none"
+    if foak_args.long_context and foak_args.acceleration_config == "none":
+        raise ValueError("--long_context adds foak's offload_activations and tiled_mlp, which --acceleration_config "
+                         "none turns off: drop one of them (a baseline with checkpointing: --acceleration_config none "
+                         "--gradient_checkpointing)")
     if foak_args.long_context and foak_args.acceleration_config is not None:
         raise ValueError("--long_context adds its switches to foak's default kernels; with --acceleration_config "
                          f"put them in the YAML instead ({', '.join(long_context_switches())}: true) and drop "
