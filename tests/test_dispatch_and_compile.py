@@ -197,9 +197,25 @@ def test_cli_verify_ops_passes_and_prints_a_table(capsys):
     assert main(["verify", "--ops"]) == 0
     out = capsys.readouterr().out
     assert "backend: triton-interpreter" in out
-    for op in ("rms_norm", "rope", "glu", "glu_linear", "cross_entropy", "linear_cross_entropy"):
+    for op in ("rms_norm", "rope", "glu", "glu_linear", "cross_entropy", "linear_cross_entropy", "linear_log_probs",
+               "linear_jsd"):
         assert f"| {op}" in out
-    assert "FAIL" not in out and "self-check: 24 of 24 cases within tolerance" in out
+    assert "not run by --ops (foak verify without --ops checks them in the model rows of): lora, lora_glu_linear " \
+        "(fused_lora); moe, moe_router (fast_moe)" in out
+    assert "FAIL" not in out and "self-check: 28 of 28 cases within tolerance" in out
+
+
+def test_verify_ops_runs_or_names_every_op():
+    # before: "--ops: every op vs its reference" ran 6 of foak.ops' 17 ops and named none of the others
+    import pkgutil
+
+    import foak.ops
+    from foak.testing import OPS_NOT_SELF_CHECKED, self_check_cases
+
+    ops = {m.name for m in pkgutil.iter_modules(foak.ops.__path__) if not m.name.startswith("_")}
+    run = {{"glu": "activations"}.get(c.op, c.op) for c in self_check_cases()}  # (glu lives in ops/activations.py)
+    assert run.isdisjoint(OPS_NOT_SELF_CHECKED) and run | set(OPS_NOT_SELF_CHECKED) == ops, (
+        sorted(ops - run - set(OPS_NOT_SELF_CHECKED)))
 
 
 def test_cli_info(capsys):

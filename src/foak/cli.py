@@ -109,14 +109,19 @@ def _cmd_verify(args) -> int:
 
 
 def _verify_ops(device, backend) -> int:
-    from foak.testing import run_self_check
+    from foak.testing import OPS_NOT_SELF_CHECKED, run_self_check
 
-    print(f"foak verify --ops on {device} (backend: {backend}); every op forward and backward vs its "
+    print(f"foak verify --ops on {device} (backend: {backend}); each op below forward and backward vs its "
           "torch reference (relative error vs fp32)")
     rows = run_self_check(device)
     if not rows:
         raise ValueError("the self-check compared nothing")
     print(_format_table(rows))
+    by_rule: dict[str, list[str]] = {}
+    for op, rule in OPS_NOT_SELF_CHECKED.items():
+        by_rule.setdefault(rule, []).append(op)
+    print("not run by --ops (foak verify without --ops checks them in the model rows of): " + "; ".join(
+        f"{', '.join(ops)} ({rule})" for rule, ops in by_rule.items()))
     failed = sum(not r["passed"] for r in rows)
     print(f"self-check: {len(rows) - failed} of {len(rows)} cases within tolerance")
     return 1 if failed else 0
@@ -192,7 +197,8 @@ def build_parser() -> argparse.ArgumentParser:
                     "not check are named. Needs a CUDA GPU or TRITON_INTERPRET=1 (the kernels in Triton's CPU "
                     "interpreter); without either it is an error, since only the references would be compared. "
                     "Exit code 0: every check passed, 1: a check failed, 2: a usage error (nothing was compared).")
-    verify.add_argument("--ops", action="store_true", help="run every kernel against its reference")
+    verify.add_argument("--ops", action="store_true", help="run the ops' self-check cases against their "
+                                                            "references (the output names the ops it has none for)")
     verify.add_argument("--model", help="local directory or hub id of an HF causal LM, or a GPTQ 4-bit "
                                         "checkpoint directory (default: a tiny random model)")
     verify.add_argument("--arch", default="llama", help="architecture of the tiny default model")
