@@ -138,6 +138,21 @@ def test_lora_config_turns_axolotl_lora_kernels_off(tiny_llama, tmp_path):
     assert cfg.foak == {"fused_linear_loss": False}
 
 
+@pytest.mark.parametrize("foak_key, kernels", [
+    # axolotl's q/k/v and o kernels rewrite the attention forward with the modeling module's original RoPE function:
+    # they stay off while foak's RoPE is on, the MLP kernel while foak's fast_swiglu is on
+    ({"fused_lora": False}, (False, False, False, None)),
+    ({"fused_lora": False, "fast_swiglu": False}, (True, False, False, True)),
+    ({"fused_lora": False, "fast_swiglu": False, "fast_rope_embeddings": False}, (True, True, True, True)),
+])
+def test_with_foaks_fused_lora_off_axolotl_keeps_its_own_lora_kernels(tiny_llama, tmp_path, foak_key, kernels):
+    """`foak: {fused_lora: false}`: axolotl's LoRA kernels serve the layers foak leaves to PEFT where no foak kernel
+    that is on collides with them, as axolotl alone would switch them on (with lora_embedding_kernel). Before the
+    fix the plugin set all three false whatever `foak:` said, and logged that foak served them."""
+    cfg = load(axolotl_config(tiny_llama, tmp_path, **LORA, foak=foak_key), tmp_path)
+    assert (cfg.lora_mlp_kernel, cfg.lora_qkv_kernel, cfg.lora_o_kernel, cfg.lora_embedding_kernel) == kernels
+
+
 @pytest.mark.parametrize("foak_key, adapter, expected", [
     ({"fast_rms_norm": True}, None, "unknown key 'fast_rms_norm' in foak; did you mean 'fast_rms_layernorm'?"),
     ({"fast_swiglu": "yes"}, None, "foak.fast_swiglu: expected a boolean (true or false), got str 'yes'"),
@@ -159,8 +174,15 @@ def test_foak_key_is_checked_by_foaks_schema(tiny_llama, tmp_path, foak_key, ada
      "liger_fused_linear_cross_entropy: True and foak's fused_linear_loss / fast_loss both replace the LM head"),
     ((PLUGIN, CCE), {}, "cut_cross_entropy: True and foak's fused_linear_loss / fast_loss both replace"),
     ((PLUGIN,), dict(LORA, lora_qkv_kernel=True),
-     "lora_qkv_kernel: True and foak's fused_lora both replace the LoRA q/k/v projections"),
+     ("lora_qkv_kernel: True and foak's fused_lora / fast_rope_embeddings both replace the LoRA q/k/v projections "
+      "(axolotl's rewritten attention forward calls its own copy of apply_rotary_pos_emb: foak's RoPE would not run)")),
+    ((PLUGIN,), dict(LORA, lora_o_kernel=True, foak={"fused_lora": False}),  # (before the fix: foak's RoPE silently
+     "lora_o_kernel: True and foak's fast_rope_embeddings both replace"),        # never ran, its row claimed 2 modules)
     ((PLUGIN,), dict(LORA, lora_mlp_kernel=True), "lora_mlp_kernel: True and foak's fused_lora / fast_swiglu"),
+    ((LIGER, PLUGIN), {"liger_rms_norm_gated": True},
+     "liger_rms_norm_gated: True and foak's fast_rms_layernorm both replace the gated RMSNorm"),
+    ((PLUGIN,), {"fused_attn_kernel": True},
+     "fused_attn_kernel: True and foak's fast_rms_layernorm / fast_rope_embeddings both replace the q/k norms and"),
     ((PLUGIN,), {"tiled_mlp": True}, "axolotl's tiled_mlp and foak's fast_swiglu both replace the MLP's forward"),
     ((PLUGIN,), {"chunked_cross_entropy": True}, "chunked_cross_entropy: True and foak's fused_linear_loss"),
     ((PLUGIN,), {"rl": "dpo"}, "rl: dpo: foak's axolotl plugin serves supervised fine-tuning"),
@@ -181,7 +203,8 @@ def test_overlapping_or_untested_axolotl_options_are_refused(tiny_llama, tmp_pat
 @pytest.mark.parametrize("plugins, options, foak_key", [
     ((LIGER, PLUGIN), {"liger_rms_norm": True, "liger_layer_norm": True}, {"fast_rms_layernorm": False}),
     ((PLUGIN, CCE), {}, {"fused_linear_loss": False, "fast_loss": False}),
-    ((PLUGIN,), dict(LORA, lora_qkv_kernel=True, lora_o_kernel=True), {"fused_lora": False}),
+    ((PLUGIN,), dict(LORA, lora_qkv_kernel=True, lora_o_kernel=True),
+     {"fused_lora": False, "fast_rope_embeddings": False}),
     ((PLUGIN,), dict(LORA, adapter="qlora", load_in_4bit=True, fsdp_version=2,
                      fsdp_config={"reshard_after_forward": True}), {"fused_lora": False}),
     ((PLUGIN,), {"fsdp_version": 2, "fsdp_config": {"reshard_after_forward": True}}, None),

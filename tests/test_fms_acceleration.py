@@ -158,6 +158,43 @@ def test_lora_is_patched_and_exact(tmp_path, op_calls):
     assert_grads_close(grads, ref_grads, "LoRA through fms-acceleration")
 
 
+def test_lora_added_after_ready_for_train_is_fused_and_the_peft_model_deepcopies(tmp_path, op_calls):
+    """The other order: get_callbacks_and_ready_for_train before the trainer wraps the model in PEFT (a script that
+    builds its trainer last). The LoRA layers are fused from the first forward; a deepcopy of the PeftModel (an
+    EMA or reference copy) is a PeftModel with its own patched model: before the fix it was a copy of the causal
+    LM inside it (the patched model's __deepcopy__, reached through PEFT's attribute forwarding)."""
+    import peft
+
+    fw = framework(tmp_path, stanza(PEFT_STANZA, {"fused_lora": True, "fast_rms_layernorm": True}))
+    model = build("llama")
+    lora = peft.LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules=PROJECTIONS, init_lora_weights=False,
+                           task_type="CAUSAL_LM")
+    fw.augmentation(model, train_args(tmp_path), modifiable_args=(lora,))
+    fw.get_callbacks_and_ready_for_train(model, None)
+    _PATCHED.append(model)
+    twin = build("llama")
+    torch.manual_seed(1)
+    peft_model = peft.get_peft_model(model, lora)
+    torch.manual_seed(1)
+    reference = peft.get_peft_model(twin, lora)
+    batch = padded_batch()
+    out, grads = loss_and_grads(peft_model, batch)
+    assert (op_calls["lora_linears"], op_calls["lora_linear"], op_calls["rms_norm"]) == (2, 8, 5), op_calls
+    ref_out, ref_grads = loss_and_grads(reference, batch)
+    assert_close(out.loss, ref_out.loss, "loss")
+    assert_grads_close(grads, ref_grads, "LoRA added after ready_for_train")
+    assert foak_plugin(fw).report.result("llama.fused_lora").modules == 14
+
+    clone = copy.deepcopy(peft_model)
+    assert isinstance(clone, peft.PeftModel) and clone.get_base_model() is not model
+    _PATCHED.append(clone.get_base_model())
+    assert foak.patching.is_patched(clone.get_base_model())
+    calls_before = dict(op_calls)
+    clone_out, _ = loss_and_grads(clone, batch)
+    assert op_calls["lora_linear"] == calls_before["lora_linear"] + 8
+    assert_close(clone_out.loss, ref_out.loss, "loss of the copy")
+
+
 def test_config_file_from_the_environment(tmp_path, monkeypatch):
     # AccelerationFramework reads ACCELERATION_FRAMEWORK_CONFIG_FILE when it gets no file or one with an empty
     # 'plugins:' (what fms-hf-tuning writes when none of its acceleration flags is given)

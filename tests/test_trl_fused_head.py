@@ -405,3 +405,23 @@ def test_fsdp2_sharded_heads(tmp_path):
                                  "gathered copy from another model's head"), notes
             else:
                 assert notes == "served TRL's fused LM head (1 call)", (case, notes)
+
+
+def test_a_fast_loss_model_says_that_trls_fused_head_ran_trls_kernel(calls):
+    # fms-acceleration's sample stanzas ask for fast_loss (foak's cross_entropy on the logits); TRL 1.x's SFTTrainer
+    # (fms-hf-tuning's trainer) calls the fused LM head, which never builds the logits nor calls loss_function.
+    # Before the fix the fast_loss row claimed its module and said nothing: a loss kernel reported that never ran
+    model = tiny_model("llama")
+    report = foak.patch(model, fast_loss=True)
+    row = report.result("llama.loss")
+    assert row.modules == 1 and row.notes == ""
+    inputs, labels = _batch(model.config.vocab_size)
+    model(**inputs, labels=labels).loss.backward()  # the model's own loss: foak's cross_entropy
+    assert row.notes == "foak cross_entropy ran 1 call"
+    trl_utils.add_fused_lm_head(model, outputs=REQUESTS["sft"])
+    with pytest.warns(UserWarning, match="TRL's own kernel runs: TRL's fused LM head computes the loss"):
+        model(**inputs, labels=labels, fused_lm_head=True)
+    assert calls == {"linear_log_probs": 0, "linear_cross_entropy": 0, "trl": 1}
+    assert row.notes == ("foak cross_entropy ran 1 call; TRL's own kernel ran 1 call: TRL's fused LM head computes the "
+                         "loss from the hidden states and never calls the model's loss_function, so fast_loss's "
+                         "cross_entropy did not run; set fused_linear_loss (instead of fast_loss) for foak to serve it")

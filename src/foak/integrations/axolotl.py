@@ -10,8 +10,10 @@ foak:                        # optional: without it, every kernel foak has for t
 What the plugin does, hook by hook (axolotl.integrations.base.BasePlugin):
 
 - ``register`` (before axolotl validates the config): turns off axolotl's own fused LoRA kernels
-  (``lora_mlp_kernel``, ``lora_qkv_kernel``, ``lora_o_kernel``) where the YAML leaves them unset (axolotl
-  would switch them on for LoRA/QLoRA; foak's ``fused_lora`` serves the same layers), and says so in the log.
+  (``lora_mlp_kernel``, ``lora_qkv_kernel``, ``lora_o_kernel``) where the YAML leaves them unset and a foak kernel
+  that is on collides with them (axolotl would switch them on for LoRA/QLoRA; foak's ``fused_lora`` serves the
+  same layers, its ``fast_swiglu`` the MLP, and its RoPE would not run inside axolotl's rewritten attention
+  forward); with ``foak: {fused_lora: false}`` the others stay axolotl's. The log says which and why.
 - config validation (:class:`FoakArgs`, merged into axolotl's schema): the ``foak`` key is checked by foak's
   config schema (foak.config: unknown keys name the closest valid one, wrong types the expected one); the
   mode (full fine-tuning or LoRA/QLoRA) comes from axolotl's ``adapter``. Then every axolotl option that
@@ -48,12 +50,19 @@ KEY = "foak"
 LOG = logging.getLogger(__name__)
 
 _LOSS = ("fused_linear_loss", "fast_loss")
+_OWN_ROPE = (" (axolotl's rewritten attention forward calls its own copy of apply_rotary_pos_emb: foak's RoPE "
+             "would not run)")
 # axolotl option -> (foak switches that do the same job (each on unless `foak:` sets it false), what it replaces)
 _OVERLAPS: dict[str, tuple[tuple[str, ...], str]] = {
-    "lora_qkv_kernel": (("fused_lora",), "the LoRA q/k/v projections"),
-    "lora_o_kernel": (("fused_lora",), "the LoRA output projection"),
+    # (axolotl rewrites the attention forward for either key and runs it with a COPY of the modeling module's
+    # globals taken before foak patches: its apply_rotary_pos_emb is the original, foak's RoPE never runs there)
+    "lora_qkv_kernel": (("fused_lora", "fast_rope_embeddings"), "the LoRA q/k/v projections" + _OWN_ROPE),
+    "lora_o_kernel": (("fused_lora", "fast_rope_embeddings"), "the LoRA output projection" + _OWN_ROPE),
     "lora_mlp_kernel": (("fused_lora", "fast_swiglu"), "the LoRA MLP (gate/up/down and its activation)"),
     "liger_rms_norm": (("fast_rms_layernorm",), "the RMSNorm"),
+    "liger_rms_norm_gated": (("fast_rms_layernorm",), "the gated RMSNorm (Qwen3.5's linear-attention layers)"),
+    # (Qwen3 / Qwen3.5 / Gemma 4 / GLM-4.7-Flash: one Triton launch for q_norm/k_norm and RoPE in the attention)
+    "fused_attn_kernel": (("fast_rms_layernorm", "fast_rope_embeddings"), "the q/k norms and the rotary embedding"),
     "liger_rope": (("fast_rope_embeddings",), "the rotary embedding"),
     "liger_glu_activation": (("fast_swiglu",), "the gated MLP"),
     "liger_swiglu": (("fast_swiglu",), "the gated MLP"),
@@ -208,6 +217,26 @@ def resolve_config(model, switches: Mapping[str, Any] | None):
     return config_from_kwargs(base.mode, **merged)
 
 
+def _collisions(keys: list[str], switches: Mapping[str, Any]) -> str:
+    """The log line's account of the axolotl LoRA kernels the plugin set false: which foak switch each collides
+    with (and that PEFT's own forwards run the LoRA layers where foak's fused_lora is off)."""
+    if not keys:
+        return ""
+    parts = [f"{k} (foak's {' / '.join(s for s in _OVERLAPS[k][0] if _on(switches, s))} on)" for k in keys]
+    text = f"; set to false: {', '.join(parts)}"
+    if not _on(switches, "fused_lora"):
+        text += (": those LoRA layers run PEFT's own forward; turn the foak switches named off under `foak:` to "
+                 "keep axolotl's LoRA kernels")
+    return text
+
+
+def _axolotl_would_enable_lora_kernels(cfg) -> bool:
+    """Whether axolotl would switch its lora_*_kernel keys on for this (raw) config (its own predicate)."""
+    from axolotl.utils.schemas.validation import lora_kernels_auto_enable
+
+    return lora_kernels_auto_enable(cfg.get)
+
+
 def _mixed_precision(cfg) -> str:
     return "bf16" if cfg.bf16 is True else "fp16" if cfg.fp16 else "no"
 
@@ -226,14 +255,33 @@ class FoakPlugin(BasePlugin):
     def register(self, cfg):
         if not _named(cfg.get("plugins")):
             return
-        # axolotl switches its fused LoRA kernels on when all its lora_*_kernel keys are unset (LoRA/QLoRA);
-        # foak's fused_lora serves those layers: set them false first, so that nothing is switched on twice
-        if cfg.get("adapter") in ("lora", "qlora") and all(cfg.get(k) is None for k in _AXOLOTL_LORA_KERNELS):
-            for key in _AXOLOTL_LORA_KERNELS:
-                cfg[key] = False
-            self.turned_off = list(_AXOLOTL_LORA_KERNELS)
-            LOG.warning("foak: set %s to false (axolotl would switch them on; foak's fused_lora and fast_swiglu "
-                     "serve these layers)", ", ".join(_AXOLOTL_LORA_KERNELS))
+        # axolotl switches its fused LoRA kernels on when all its lora_*_kernel keys are unset (LoRA/QLoRA); those
+        # that collide with a foak kernel that is on (_OVERLAPS) are set false first, so that nothing runs twice
+        if cfg.get("adapter") not in ("lora", "qlora") or any(cfg.get(k) is not None for k in _AXOLOTL_LORA_KERNELS):
+            return
+        try:
+            switches = _switches(cfg.get(KEY))
+        except ValueError:  # (reported by the config validation that follows)
+            switches = {}
+        colliding = [k for k in _AXOLOTL_LORA_KERNELS if any(_on(switches, s) for s in _OVERLAPS[k][0])]
+        if len(colliding) < len(_AXOLOTL_LORA_KERNELS) and _axolotl_would_enable_lora_kernels(cfg):
+            # `foak: {fused_lora: false}`: foak leaves (some of) these layers to PEFT. Setting one key ends axolotl's
+            # all-or-nothing switch-on, so the others are switched on here as axolotl would have done (before: all
+            # three were turned off and the log said foak served them: no fused LoRA at all)
+            for key in (*_AXOLOTL_LORA_KERNELS, "lora_embedding_kernel"):
+                if cfg.get(key) is None:
+                    cfg[key] = key not in colliding
+            self.turned_off = colliding
+            LOG.warning("foak: axolotl's own LoRA kernels serve %s (foak's fused_lora is off)%s",
+                        ", ".join(k for k in _AXOLOTL_LORA_KERNELS if k not in colliding),
+                        _collisions(colliding, switches))
+            return
+        for key in colliding:
+            cfg[key] = False
+        self.turned_off = colliding
+        if colliding:
+            LOG.warning("foak: axolotl's LoRA kernels (which it switches on when they are unset)%s",
+                        _collisions(colliding, switches))
 
     def pre_model_load(self, cfg):
         if not _named(cfg.plugins):

@@ -27,6 +27,11 @@ no-grad forward: TRL passes a gathered copy foak cannot tell from another model'
 copy is recognised through its autograd graph and served). A model foak did not patch always gets TRL's function (each patched model's row counts those calls). The global is installed once
 per process (when TRL is imported after foak.patch, by an import hook as trl.trainer.utils loads),
 ref-counted, and restored when the last patched model is restored or garbage-collected.
+
+A model patched with fast_loss (foak's cross_entropy on the logits the model's loss_function receives) is not
+served: TRL's fused head never builds those logits nor calls loss_function, so its calls run TRL's own kernel and
+are counted in the fast_loss row with that reason (and a warning, once), instead of the row claiming a loss
+kernel that never ran.
 """
 
 from __future__ import annotations
@@ -52,10 +57,11 @@ _install: list = []  # [trl.trainer.utils module, TRL's original object] while i
 class _Head:
     """A patched model's lm_head and the report row (RuleResult) that tells what became of its TRL calls."""
 
-    def __init__(self, causal_lm, result, chunk_bytes):
+    def __init__(self, causal_lm, result, chunk_bytes, serve: bool = True):
         self.module = weakref.ref(causal_lm.lm_head)
         self.causal_lm = weakref.ref(causal_lm)
         self.result, self.chunk_bytes = result, chunk_bytes
+        self.serve = serve  # False: a fast_loss row, which only counts TRL's calls (see watch_trl_fused_head)
         self.served = 0
         self.fallbacks: dict[str, int] = {}  # reason -> calls
 
@@ -93,6 +99,22 @@ def serve_trl_fused_head(causal_lm, state, chunk_bytes=None) -> None:
     call time): from now until ``state`` is restored, or the lm_head is garbage-collected, TRL's fused LM head on
     this model runs foak's loss, whether TRL is imported before or after."""
     head = _Head(causal_lm, state.result, chunk_bytes)
+    with _lock:
+        _heads[id(head)] = head
+        _sync()
+    state.on_restore(weakref.finalize(causal_lm.lm_head, _release, id(head)))
+
+
+FAST_LOSS = ("TRL's fused LM head computes the loss from the hidden states and never calls the model's "
+             "loss_function, so fast_loss's cross_entropy did not run; set fused_linear_loss (instead of fast_loss) "
+             "for foak to serve it")
+
+
+def watch_trl_fused_head(causal_lm, state) -> None:
+    """Called by the fast_loss rule for each causal LM it patches: TRL's fused LM head on this model (TRL 1.x's
+    trainers call it instead of the model's loss) runs TRL's own kernel, and each call is counted in the rule's
+    row with the reason (and a warning, once): the row then says that foak's loss did not run."""
+    head = _Head(causal_lm, state.result, None, serve=False)
     with _lock:
         _heads[id(head)] = head
         _sync()
@@ -185,7 +207,7 @@ def _served_head(weight) -> _Head | bool | None:
     if sharded:
         return False  # (counted)
     for head, module in heads:  # e.g. the reference model a DPO/GRPO/RLOO trainer loaded itself
-        if module is not None:
+        if module is not None and head.serve:
             head.count_fallback(OTHER_MODEL)
     return None
 
@@ -255,6 +277,9 @@ class _FoakChunkedLogProb:
         head = _served_head(weight)
         if not head:  # a model foak did not patch (counted in the patched models' rows), or a sharded head
             return self.original.apply(*trl_args)
+        if not head.serve:  # a model patched with fast_loss: TRL's kernel, said in its row
+            head.count_fallback(FAST_LOSS)
+            return self.original.apply(*trl_args)
         reason = _cannot_serve(hidden, weight, bias, temperature, final_logit_softcapping, logit_scale, outputs)
         if reason:
             head.count_fallback(reason)
@@ -320,7 +345,9 @@ class _EntropyGradient(torch.autograd.Function):
 
 
 # the fused_linear_loss rule calls serve_trl_fused_head for every causal LM it patches
-from foak.patching.replacements import FUSED_HEAD_HOOKS, head_linears  # noqa: E402
+from foak.patching.replacements import FUSED_HEAD_HOOKS, LOGITS_LOSS_HOOKS, head_linears  # noqa: E402
 
 if serve_trl_fused_head not in FUSED_HEAD_HOOKS:
     FUSED_HEAD_HOOKS.append(serve_trl_fused_head)
+if watch_trl_fused_head not in LOGITS_LOSS_HOOKS:
+    LOGITS_LOSS_HOOKS.append(watch_trl_fused_head)

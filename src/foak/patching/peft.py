@@ -272,7 +272,15 @@ def lora_attention_rule(arch: str, attention_class: type) -> Rule:
                     "lora_linear call")
         return _peft_skip_reason(model)
 
-    return Rule(rule_id, "lora", Trigger(attention_class, predicate=is_lora_attention), patch, skip_reason)
+    def describe(model):
+        modules = list(model.modules())
+        if any(is_lora_attention(m, model) for m in modules if isinstance(m, attention_class)) or \
+                not any(_fusable_layer(m) for m in modules):
+            return None
+        return ("q_proj, k_proj and v_proj are not all LoRA layers fused_lora fuses (e.g. LoRA on some of them "
+                "only): each LoRA projection runs as its own fused_lora call")
+
+    return Rule(rule_id, "lora", Trigger(attention_class, predicate=is_lora_attention), patch, skip_reason, describe)
 
 
 def lora_glu_mlp(gate: nn.Module, up: nn.Module, down: nn.Module, x: torch.Tensor, activation: str):

@@ -533,6 +533,10 @@ FUSED_LOSS_CHUNK_BYTES_FP32_ACCUMULATION = 1024 * 2**20
 # down: foak.integrations.trl appends itself when foak.api is imported). Each is called as
 # hook(causal_lm, state, chunk_bytes_of_weight) for every causal LM the fused_linear_loss rule patches.
 FUSED_HEAD_HOOKS: list = []
+# ... and here to be told of each causal LM the fast_loss rule patches, as hook(causal_lm, state): a fused LM head
+# of another library skips the model's loss_function, so fast_loss's cross_entropy does not run there; the hook
+# writes those calls into the rule's row (the fast_loss row would otherwise claim a loss kernel that never ran)
+LOGITS_LOSS_HOOKS: list = []
 
 
 def fused_loss_chunk_bytes(weight: torch.Tensor) -> int:
@@ -751,15 +755,22 @@ def loss_rule(arch: str, causal_lm_class: type) -> Rule:
     rule_id = f"{arch}.loss"
 
     def patch(model_module, model, state):
+        row, ran = state.result, [0]
+
         def loss_function(logits, labels, vocab_size=None, num_items_in_batch=None, ignore_index=-100,
                           shift_labels=None, **kwargs):
             target, shift = _hf_loss_arguments(labels, shift_labels, ignore_index)
             if shift:
                 target = nn.functional.pad(target, (0, 1), value=ignore_index)[..., 1:]
+            if not torch.compiler.is_compiling():  # (what ran, in the row: a caller may compute its own loss)
+                ran[0] += 1
+                row.note_runtime("calls", f"foak cross_entropy ran {ran[0]} call{'s' if ran[0] != 1 else ''}")
             return cross_entropy(logits.reshape(-1, logits.shape[-1]), target.reshape(-1).to(logits.device),
                                  ignore_index=ignore_index, num_items_in_batch=num_items_in_batch)
 
         _set_loss_function(model_module, state, loss_function)
+        for hook in LOGITS_LOSS_HOOKS:  # e.g. TRL's fused LM head, which never calls loss_function
+            hook(model_module, state)
 
         def forward(self, *args, **kwargs):  # the forward itself is unchanged
             return call_next(self, rule_id, *args, **kwargs)

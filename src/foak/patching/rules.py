@@ -372,7 +372,7 @@ def apply(model: nn.Module, rules: list[Rule], model_type: str = "", _report: Pa
     object.__setattr__(model, _STATE_ATTR, state)  # a plain attribute: not a submodule, not in state_dict
     # a deepcopy (a TRL reference model, an EMA copy) gets its own patch: its own report, its own share of the
     # module globals, restorable on its own
-    object.__setattr__(model, "__deepcopy__", lambda memo: _deepcopy_patched(model, memo))
+    object.__setattr__(model, "__deepcopy__", _deepcopy_hook(model))
     # pickling (torch.save of the whole model) stores an unpatched copy and the rules' ids: it loads patched
     object.__setattr__(model, "__reduce_ex__", lambda protocol: _reduce_patched(model))
     return report
@@ -436,7 +436,12 @@ def _apply_rules(model, state: PatchState, rules: list[Rule], previous: dict, ke
             if not result.modules:
                 result._backend = "-"
                 if not skipped:
-                    notes.insert(0, f"matched nothing (no {rule.trigger.module_class.__name__} module)")
+                    cls = rule.trigger.module_class
+                    # (the class present but its predicate held for none: e.g. q/k/v not all LoRA layers)
+                    present = sum(isinstance(m, cls) for _, m in named)
+                    notes.insert(0, f"matched nothing ({present} {cls.__name__} module{'s' if present != 1 else ''}, "
+                                    "none of which it applies to)" if present else
+                                 f"matched nothing (no {cls.__name__} module)")
             result.note = "; ".join(notes)
             extra = rule.describe(model) if rule.describe else None
             if extra:
@@ -485,6 +490,27 @@ def _watch_hook(stack: nn.Module, args) -> None:
     if state is not None and state.watch is not None and _decoder_stack(model) is stack and \
             state.watch.changed(model):
         state.watch.update(model, state)
+
+
+def _deepcopy_hook(model: nn.Module):
+    """The patched model's ``__deepcopy__``. A wrapper whose ``__getattr__`` forwards unknown names to the module
+    inside it (PEFT's PeftModel and LoraModel, when foak patched the model before or after get_peft_model wrapped
+    it) hands ``copy.deepcopy`` this hook for ITSELF: without the check the copy of a PeftModel was a copy of the
+    causal LM inside it. The object being copied is copy.deepcopy's ``x``; a wrapper gets the default deepcopy
+    (its attributes, this model among them, are copied as usual)."""
+    import copy
+    import copyreg
+    import sys
+
+    def __deepcopy__(memo):
+        caller = sys._getframe(1)
+        x = caller.f_locals.get("x", model) if caller.f_code is copy.deepcopy.__code__ else model
+        if x is model:
+            return _deepcopy_patched(model, memo)
+        reductor = copyreg.dispatch_table.get(type(x))
+        return copy._reconstruct(x, memo, *(reductor(x) if reductor is not None else x.__reduce_ex__(4)))
+
+    return __deepcopy__
 
 
 def _deepcopy_patched(model: nn.Module, memo: dict) -> nn.Module:
