@@ -33,6 +33,10 @@ checkpoint, and Unsloth's loss == HF's on a small model at 4096 tokens).
 With --cpu-smoke Unsloth picks its CPU backend (no GPU): that checks this script's plumbing, not Unsloth's GPU
 path. Every framework trains on the same token ids (a seeded generator), so the losses are comparable.
 
+``--pinned-register``: the children pin host memory with cudaHostRegister on 8 threads (torch allocator setting
+``pinned_use_cuda_host_register``) instead of one cudaHostAlloc per block; ``--pin-probe GIB`` times both.
+benchmarks/long_context_longest.sh runs the longest-context lengths detached (they outlast one device command).
+
 Writes ``long_context_h200.json`` (one record per run: peak allocated GiB, step seconds, loss, or the error)
 and prints a table last.
 """
@@ -111,7 +115,14 @@ def measure(model, framework: str, length: int, ids, smoke: bool, warmup: int, q
               "step_s": seconds, "tokens_per_s": length / seconds}
     if not smoke:
         record.update(peak_gib=torch.cuda.max_memory_allocated() / 2**30,
-                      model_gib=base / 2**30, gpu=torch.cuda.get_device_name(0))
+                      model_gib=base / 2**30, gpu=torch.cuda.get_device_name(0),
+                      alloc_conf=os.environ.get("PYTORCH_CUDA_ALLOC_CONF", ""))
+        try:  # the pinned host allocator's own account (blocks, bytes, seconds in its CUDA calls), where torch has it
+            stats = torch.cuda.memory.host_memory_stats()
+            record["host_alloc"] = {k: stats.get(k) for k in ("allocated_bytes.current", "num_host_alloc",
+                                                              "host_alloc_time.total")}
+        except (AttributeError, RuntimeError):
+            pass
     return record
 
 
@@ -289,11 +300,23 @@ def unsloth_run(framework: str, length: int, smoke: bool, warmup: int, qlora: bo
     return record
 
 
+# --pinned-register: torch's pinned host allocator takes page-locked memory by malloc + cudaHostRegister on several
+# threads instead of one cudaHostAlloc per block (on the H200 machine cudaHostAlloc pinned ~1.6 GiB/s: ~56 s for
+# the offloaded inputs at 409,600 tokens, in the step)
+PINNED_REGISTER = "pinned_use_cuda_host_register:True,pinned_num_register_threads:8"
+
+
+def alloc_conf() -> str:
+    """The CUDA allocator settings every child process runs with (recorded in its record)."""
+    extra = os.environ.get("FOAK_BENCH_PINNED_REGISTER") == "1"
+    return "expandable_segments:True" + ("," + PINNED_REGISTER if extra else "")
+
+
 def run_child(args: list[str], timeout: float) -> tuple[dict | None, str]:
     """This script in a new process; its RESULT line as a dict (None if it printed none) and the last line."""
     command = [sys.executable, __file__, *args]
     done = subprocess.run(command, capture_output=True, text=True, timeout=timeout,
-                          env=dict(os.environ, PYTORCH_CUDA_ALLOC_CONF="expandable_segments:True"))
+                          env=dict(os.environ, PYTORCH_CUDA_ALLOC_CONF=alloc_conf()))
     line = next((text for text in done.stdout.splitlines() if text.startswith("RESULT ")), None)
     tail = (done.stderr or done.stdout).strip().splitlines()[-1:] or ["no output"]
     return (json.loads(line[len("RESULT "):]) if line else None), tail[0][:300]
@@ -399,6 +422,27 @@ def offload_check(reentrant: bool) -> dict:
             "pinned": all(h.is_pinned() for h in hosts), "worst_grad_rel": worst}
 
 
+def pin_probe(gib: float) -> dict:
+    """Seconds to pin ``gib`` GiB of host memory in 256 MiB blocks (offload's pieces) and to copy a device tensor
+    of that size into it, under this process's allocator settings."""
+    import torch
+
+    piece = 1 << 28
+    src = torch.empty(piece, dtype=torch.uint8, device="cuda").random_()
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    blocks = [torch.empty(piece, dtype=torch.uint8, pin_memory=True) for _ in range(int(gib * 4))]
+    pinned = time.perf_counter() - start
+    start = time.perf_counter()
+    for block in blocks:
+        block.copy_(src, non_blocking=True)
+    torch.cuda.synchronize()
+    copied = time.perf_counter() - start
+    return {"alloc_conf": os.environ.get("PYTORCH_CUDA_ALLOC_CONF", ""), "gib": len(blocks) / 4,
+            "pin_s": pinned, "pin_gib_per_s": len(blocks) / 4 / pinned, "d2h_gib_per_s": len(blocks) / 4 / copied,
+            "all_pinned": all(b.is_pinned() for b in blocks)}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default="benchmarks/results")
@@ -421,10 +465,29 @@ def main() -> None:
                         help="GPU, run first: Unsloth's imports and versions, its GPU backend, its loss == HF's")
     parser.add_argument("--unsloth-model-dir", default=None,
                         help="where the model Unsloth loads is saved (default: under the temp dir, per dims)")
+    parser.add_argument("--pinned-register", action="store_true",
+                        help="children pin host memory by cudaHostRegister on 8 threads (torch allocator setting)")
+    parser.add_argument("--pin-probe", type=float, metavar="GIB", default=None,
+                        help="GPU: time pinning GIB of host memory in 256 MiB blocks, as offload does, and exit")
     parser.add_argument("--save-checkpoint", metavar="DIR", help=argparse.SUPPRESS)
+    parser.add_argument("--pin-probe-child", type=float, default=None, help=argparse.SUPPRESS)
     parser.add_argument("--dims", choices=["8b", "tiny", "check"], default=None, help=argparse.SUPPRESS)
     parser.add_argument("--loss-length", type=int, default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.pinned_register:
+        os.environ["FOAK_BENCH_PINNED_REGISTER"] = "1"
+    if args.pin_probe is not None:
+        for register in (False, True):
+            os.environ["FOAK_BENCH_PINNED_REGISTER"] = "1" if register else "0"
+            try:
+                record, tail = run_child(["--pin-probe-child", str(args.pin_probe)], args.timeout)
+            except subprocess.TimeoutExpired:
+                record, tail = None, f"timeout {args.timeout} s"
+            print("PIN " + json.dumps(record or {"register": register, "error": tail}), flush=True)
+        return
+    if args.pin_probe_child is not None:
+        print("RESULT " + json.dumps(pin_probe(args.pin_probe_child)))
+        return
     dims = args.dims or ("tiny" if args.cpu_smoke else "8b")
     model_dir = args.unsloth_model_dir or os.path.join(tempfile.gettempdir(), f"foak_long_context_{dims}")
     if args.check_offload:
