@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The long-context issue's longest-context runs on the H200, which outlast one 600-s device command: started
 # detached (setsid) by `start`, then followed by `wait` calls made back to back (the machine goes back after 30 s
-# idle), each waiting up to WAIT_S and copying what is done into $OUT.
+# idle), each waiting up to WAIT_S and copying what is done into $OUT. A `wait` on a fresh machine (the runs'
+# machine went back because no call came within 30 s) exits at once: check the reply's "warm" before the next.
 #
 #   bash benchmarks/long_context_longest.sh start   # installs .wheels (carry it), pin probe, starts the runs
 #   bash benchmarks/long_context_longest.sh wait    # again until it prints ALL DONE
@@ -60,6 +61,10 @@ EOF
         cat $LC/pin_probe.log
         ;& # fall through: wait the rest of this command
     wait)
+        if [ ! -e $LC/pin_probe.log ]; then  # a fresh machine: the one that ran `start` went back (idle > 30 s)
+            echo "no runs on this machine: it is a fresh one (the last went back); call start again" >&2
+            exit 3
+        fi
         end=$((SECONDS + WAIT_S))
         while [ ! -e $LC/ALL_DONE ] && [ $SECONDS -lt $end ]; do sleep 5; done
         cp $LC/*.json $LC/*.log "${OUT:-/tmp}/" 2>/dev/null  # at most 3 JSON + 4 logs: the tool brings back 8 files
