@@ -256,6 +256,11 @@ def main(argv: list[str] | None = None) -> int:
                 print(help_text(), end="")
                 return 0
             checked = check_arguments(rest)  # the user's errors, before torch and transformers are imported
+            from foak.train_cli import pinned_host_allocation
+
+            note = pinned_host_allocation(checked)  # torch's allocator settings: before torch is imported
+            if note:
+                logging.getLogger("foak").info(note)
             from foak.train import train
 
             train(rest, checked)
