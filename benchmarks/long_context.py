@@ -35,7 +35,7 @@ path. Every framework trains on the same token ids (a seeded generator), so the 
 
 ``--pinned-register``: the children pin host memory with cudaHostRegister on 8 threads (torch allocator setting
 ``pinned_use_cuda_host_register``) instead of one cudaHostAlloc per block; ``--pin-probe GIB`` times both.
-benchmarks/long_context_longest.sh runs the longest-context lengths detached (they outlast one device command).
+Lengths whose step outlasts one device command run detached: benchmarks/queue.sh with benchmarks/queues/*.txt.
 
 Writes ``long_context_h200.json`` (one record per run: peak allocated GiB, step seconds, loss, or the error)
 and prints a table last.
