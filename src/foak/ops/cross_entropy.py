@@ -125,9 +125,13 @@ def _cross_entropy_kernel(
     HAS_SOFTCAP: tl.constexpr, HAS_SMOOTHING: tl.constexpr, HAS_ZLOSS: tl.constexpr, HAS_WEIGHT: tl.constexpr,
     ROW_STATS: tl.constexpr, FORWARD: tl.constexpr, WRITE_GRAD: tl.constexpr, BLOCK: tl.constexpr,
 ):
-    # a persistent grid when programs < rows (fewer rows in flight per SM)
+    # a persistent grid when programs < rows (fewer rows in flight per SM). Rows are first + i * step with first
+    # int64, so row * stride is 64-bit on the GPU and in the interpreter alike (a row index taken from range()
+    # itself would be a Python int there, multiplied in int32)
     first = tl.program_id(0).to(tl.int64)
-    for row in range(first, n_rows, tl.num_programs(0)):
+    step = tl.num_programs(0)
+    for i in range(0, tl.cdiv(n_rows - first, step)):
+        row = first + i * step
         _cross_entropy_row(
             row, LOGITS, logits_stride, TARGET, GRAD, grad_stride, LOSS, STATS, ZLOSS, ACC, ENT, DLOSS, dloss_stride,
             CLASS_W, CLASS_W_SUM, n_rows, n_cols, ignore_index, label_smoothing, lse_square_scale, inv_scaling,

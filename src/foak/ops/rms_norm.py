@@ -137,7 +137,9 @@ def _rms_norm_backward_kernel(
 ):
     # Each program owns a contiguous band of rows and one row of DW_PARTIAL (fp32), so the weight
     # gradient needs no atomics: the host sums the partial rows afterwards.
-    pid = tl.program_id(0).to(tl.int64)  # int64 bounds make the row loop's offsets 64-bit
+    # rows are first + i with first int64, so row * stride is 64-bit on the GPU and in the interpreter alike
+    # (a row index taken from range() itself would be a Python int there, multiplied in int32)
+    pid = tl.program_id(0).to(tl.int64)
     first = pid * rows_per_program
     last = tl.minimum(first + rows_per_program, n_rows)
     cols = tl.arange(0, BLOCK)
@@ -148,7 +150,8 @@ def _rms_norm_backward_kernel(
         if PLUS_ONE:
             w = w + 1.0
         dw = tl.zeros([BLOCK], dtype=tl.float32)
-        for row in range(first, last):
+        for i in range(0, last - first):
+            row = first + i
             x = tl.load(X + row * x_stride + cols, mask=mask, other=0.0).to(tl.float32)
             dy = tl.load(DY + row * dy_stride + cols, mask=mask, other=0.0).to(tl.float32)
             rstd = tl.load(RSTD + row)
@@ -164,7 +167,8 @@ def _rms_norm_backward_kernel(
             tl.store(DX + row * dx_stride + cols, dx.to(DX.dtype.element_ty), mask=mask)
         tl.store(dw_row + cols, dw, mask=mask)
     else:
-        for row in range(first, last):
+        for i in range(0, last - first):
+            row = first + i
             rstd = tl.load(RSTD + row)
             acc = tl.zeros([BLOCK], dtype=tl.float32)
             for start in range(0, n_cols, BLOCK):

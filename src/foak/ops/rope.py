@@ -82,8 +82,14 @@ def _rotate_heads(
     h = tl.arange(0, BLOCK_H)[:, None]
     d = tl.arange(0, BLOCK_HALF)[None, :]
     mask = (h < n_heads) & (d < half)
-    src = X + b * x_sb + s * x_ss + h * x_sh
-    dst = XO + b * xo_sb + s * xo_ss + h * xo_sh
+    # int64 head offsets: in a contiguous [B, 32, L, 128] q (or gradient) head 31 starts past 2**31 elements
+    # from L = 541,201 on. Strides are never negative: knowing it, the compiler forms each product with one
+    # 32 x 32 -> 64-bit multiply (as many instructions as the int32 offsets took)
+    tl.assume(x_sh >= 0)
+    tl.assume(xo_sh >= 0)
+    hl = h.to(tl.int64)
+    src = X + b * x_sb + s * x_ss + hl * x_sh
+    dst = XO + b * xo_sb + s * xo_ss + hl * xo_sh
     if INTERLEAVED:
         first = 2 * d
         second = 2 * d + 1
