@@ -167,6 +167,24 @@ def test_host_bytes_count_what_the_pinned_allocator_takes():
     assert offload._pieces(2 * 256 * mib + 5) == [(0, 256 * mib), (256 * mib, 512 * mib), (512 * mib, 512 * mib + 5)]
 
 
+def test_the_row_says_how_torch_pins_and_agrees_with_what_foak_train_sets():
+    """The offload row's pinning text follows torch's allocator settings (PYTORCH_ALLOC_CONF first, as torch reads
+    it); the settings foak train adds for a run that offloads read as cudaHostRegister on 8 threads."""
+    from foak.train_cli import PINNED_HOST_SETTINGS
+
+    assert offload.pinning({}).startswith("pinned by cudaHostAlloc, torch's default")
+    plain = {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}
+    assert offload.pinning(plain).startswith("pinned by cudaHostAlloc")
+    foak_train = ",".join(f"{k}:{v}" for k, v in PINNED_HOST_SETTINGS.items())
+    assert offload.pinning({"PYTORCH_CUDA_ALLOC_CONF": foak_train}) == "pinned by cudaHostRegister on 8 threads"
+    assert offload.pinning({"PYTORCH_CUDA_ALLOC_CONF": "pinned_use_cuda_host_register:True"}) == (
+        "pinned by cudaHostRegister on 1 thread")
+    both = {"PYTORCH_ALLOC_CONF": "pinned_use_cuda_host_register:False", "PYTORCH_CUDA_ALLOC_CONF": foak_train}
+    assert offload.pinning(both).startswith("pinned by cudaHostAlloc")  # torch reads PYTORCH_ALLOC_CONF
+    # the hint names the very settings foak train sets
+    assert foak_train in offload.pinning({})
+
+
 def test_inputs_in_many_pieces_come_back_whole(monkeypatch):
     # pieces far smaller than an input (and a tail): the offloaded run still equals the plain one, each input's
     # pieces are distinct host tensors covering its bytes exactly once
