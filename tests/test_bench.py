@@ -323,7 +323,7 @@ def test_every_builtin_model_is_an_architecture_foak_serves():
 
 def test_longest_context_table_per_framework():
     """The summary of a scenario that sweeps seq_length names each framework's longest length that ran and the
-    first that did not; the bundled long-context scenario sweeps 7 lengths for 4 frameworks (foak with the switches
+    first that did not; the bundled long-context scenario sweeps 9 lengths for 4 frameworks (foak with the switches
     of --long_context among them)."""
     from foak.bench.report import longest_context_table
 
@@ -341,6 +341,6 @@ def test_longest_context_table_per_framework():
     assert "| llama8b | none | 0 |  |  | 65,536 (oom) |" in table
     assert longest_context_table(rows[:1]) == ""  # one length: no table
     ids = [e["experiment"] for e in expand(load_scenario("long-context"))]
-    assert len(ids) == 28 and len({i.split("/")[2] for i in ids}) == 7
+    assert len(ids) == 36 and len({i.split("/")[2] for i in ids}) == 9  # 4 frameworks x 9 lengths
     long = load_scenario("long-context").framework("foak-long")
     assert long.switches["offload_activations"] and long.switches["tiled_mlp"]
