@@ -31,6 +31,30 @@ LIGER = "axolotl.integrations.liger.LigerPlugin"
 CCE = "axolotl.integrations.cut_cross_entropy.CutCrossEntropyPlugin"
 
 
+@pytest.fixture(scope="module", autouse=True)
+def foak_installed(tmp_path_factory):
+    """foak's distribution metadata on sys.path, as `pip install foak` (or `pip install -e`) writes it: its
+    entry points from pyproject.toml's [project.entry-points] tables, among them axolotl's `axolotl.plugins`
+    group, which axolotl 0.21 loads in every run (axolotl.integrations.base.get_builtin_plugins). This tier runs
+    foak from PYTHONPATH=src, where axolotl would not see them; tests/test_packaging.py checks the built wheel's."""
+    import sys
+    import tomllib
+    from pathlib import Path
+
+    project = tomllib.loads((Path(__file__).parent.parent / "pyproject.toml").read_text())["project"]
+    root = tmp_path_factory.mktemp("site")
+    info = root / f"foak-{project['version']}.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text(f"Metadata-Version: 2.4\nName: foak\nVersion: {project['version']}\n")
+    groups = {"console_scripts": project.get("scripts", {}), **project.get("entry-points", {})}
+    (info / "entry_points.txt").write_text("".join(
+        f"[{group}]\n" + "".join(f"{name} = {target}\n" for name, target in points.items()) + "\n"
+        for group, points in groups.items()))
+    sys.path.insert(0, str(root))
+    yield
+    sys.path.remove(str(root))
+
+
 @pytest.fixture(autouse=True)
 def fresh_plugin_manager():
     """axolotl's PluginManager is a process-wide singleton that keeps every plugin a config registered; each
@@ -101,7 +125,8 @@ def load(cfg: dict, tmp_path):
 
 def train(cfg):
     """axolotl's dataset loading and trainer (axolotl.train.train: model loader, plugin hooks, trainer
-    builder, trainer.train()); returns the losses of the logged steps and the plugin (None without it)."""
+    builder, trainer.train()); returns the losses of the logged steps and foak's plugin (loaded through its
+    entry point whether or not the config lists it)."""
     from axolotl.cli.args import TrainerCliArgs
     from axolotl.common.datasets import load_datasets
     from axolotl.integrations.base import PluginManager
@@ -233,11 +258,35 @@ def test_foak_key_overrides_foaks_defaults(tiny_llama):
 
 
 def test_a_config_without_the_plugin_is_left_alone(tiny_llama, tmp_path):
-    """The PluginManager keeps foak registered for the rest of the process; a later config that does not
-    name it is not checked (Liger and axolotl's LoRA kernels as usual) and its model is not patched."""
+    """The PluginManager keeps foak registered for the rest of the process (and loads it through its entry point
+    wherever foak is installed); a config that does not name it and has no `foak:` key is not checked (Liger and
+    axolotl's LoRA kernels as usual) and its model is not patched."""
+    from axolotl.integrations.base import PluginManager
+
     load(axolotl_config(tiny_llama, tmp_path, **LORA), tmp_path)
     cfg = load(axolotl_config(tiny_llama, tmp_path, plugins=(LIGER,), liger_rms_norm=True, **LORA), tmp_path)
-    assert cfg.lora_qkv_kernel is True and cfg.liger_rms_norm is True
+    assert cfg.lora_qkv_kernel is True and cfg.liger_rms_norm is True and "foak" not in cfg
+    plain = load(axolotl_config(tiny_llama, tmp_path, plugins=(), **LORA), tmp_path)
+    assert PLUGIN in PluginManager.get_instance().plugins  # (the entry point) and the config is axolotl's alone:
+    assert plain.lora_qkv_kernel is True and "foak" not in plain and not plain.plugins
+
+
+@pytest.mark.parametrize("plugins, foak_key, add", [
+    ((), {"fused_linear_loss": False}, f"plugins: [{PLUGIN}]"),
+    ((), None, f"plugins: [{PLUGIN}]"),  # (`foak:` left empty: foak's defaults, had the plugin been listed)
+    ((LIGER,), {"fast_rope_embeddings": False}, f"plugins: [{LIGER}, {PLUGIN}]"),
+])
+def test_a_foak_key_without_the_plugin_is_refused(tiny_llama, tmp_path, plugins, foak_key, add):
+    """A `foak:` key in a config whose `plugins:` does not list foak's plugin: axolotl alone drops the unknown key
+    (its schema ignores extra keys) and trains without foak, saying nothing. foak's entry point in axolotl's
+    `axolotl.plugins` group loads the plugin in every run; its schema refuses that config with one line that
+    says what to add. Before: the config loaded, without the key, and the model was never patched."""
+    message = refusal(axolotl_config(tiny_llama, tmp_path, plugins=plugins, foak=foak_key), tmp_path)
+    assert (f"foak: this config has a `foak:` key but does not list foak's plugin under `plugins:`, so foak would "
+            f"not run: add `{add}` (or remove the `foak:` key)") in message, message
+    assert message.count("Value error") == 1
+    listed = load(axolotl_config(tiny_llama, tmp_path, plugins=(*plugins, PLUGIN), foak=foak_key), tmp_path)
+    assert listed.foak == foak_key and PLUGIN in listed.plugins  # with the plugin listed: loads as before
 
 
 def test_pre_model_load_refuses_an_architecture_foak_does_not_serve(tiny_llama, tmp_path):
@@ -278,8 +327,8 @@ def rows(report):
 
 
 def test_full_fine_tuning_two_steps_match_axolotl_without_foak(tiny_llama, tmp_path, reference_backend):
-    unpatched, none = train(load(axolotl_config(tiny_llama, tmp_path / "a", plugins=()), tmp_path))
-    assert none is None
+    unpatched, unlisted = train(load(axolotl_config(tiny_llama, tmp_path / "a", plugins=()), tmp_path))
+    assert unlisted.report is None  # loaded through foak's entry point, not listed: it patched nothing
     patched, plugin = train(load(axolotl_config(tiny_llama, tmp_path / "b"), tmp_path))
     assert_same_losses(patched, unpatched)
     table = rows(plugin.report)

@@ -111,6 +111,7 @@ def test_the_built_wheel_installs_in_a_fresh_venv_and_runs_the_main_job(tmp_path
     assert not expected - names, f"missing from the wheel: {sorted(expected - names)}"
     assert any(n.startswith("foak/bench/scenarios/") and n.endswith(".yaml") for n in names)
     assert "foak = foak.cli:main" in entry_points
+    assert "[axolotl.plugins]\nfoak = foak.integrations.axolotl:FoakPlugin" in entry_points  # (docs/axolotl.md)
     assert "License-Expression: Apache-2.0" in meta and f"Version: {version}" in meta
     for extra in PROJECT["optional-dependencies"]:
         assert f"Provides-Extra: {extra}" in meta, extra

@@ -27,6 +27,12 @@ What the plugin does, hook by hook (axolotl.integrations.base.BasePlugin):
 - ``post_model_load`` (the model with its adapters, before the trainer wraps it in FSDP2): ``foak.patch``
   with the resolved switches; the main process prints the patch report; :attr:`FoakPlugin.report` keeps it.
 
+Installed foak (``pip install``, also ``-e``) declares the plugin in axolotl's ``axolotl.plugins`` entry-point
+group (pyproject.toml), which axolotl loads in every run, listed or not: each hook above acts only for a config
+whose ``plugins:`` names it, and :class:`FoakArgs` refuses a ``foak:`` key in a config that does not, with one
+line that says what to add. (axolotl's own schema ignores unknown keys: without that, such a config trains
+without foak and says nothing; so does it where foak is importable from PYTHONPATH but not installed.)
+
 Sample packing needs nothing more: with ``sample_packing: true`` and ``sdpa``/``eager`` attention axolotl
 drops the attention mask and passes position ids that restart per sequence, which is the packed batch
 foak's ``fast_packed_attention`` serves (flash-attention models already attend per sequence; that row says
@@ -179,8 +185,12 @@ class FoakArgs(BaseModel):
     @model_validator(mode="before")
     @classmethod
     def _check_foak_switches(cls, data: Any) -> Any:
-        if isinstance(data, Mapping) and _named(data.get("plugins")):
+        if not isinstance(data, Mapping):
+            return data
+        if _named(data.get("plugins")):
             _check_switches(_switches(data.get(KEY)), data.get("adapter"))
+        elif KEY in data:  # (axolotl loaded the plugin through foak's entry point; the config does not list it)
+            raise ValueError(_not_listed(data.get("plugins")))
         return data
 
     @model_validator(mode="after")
@@ -192,6 +202,14 @@ class FoakArgs(BaseModel):
             raise ValueError("foak: " + lines[0] + (f" (and {len(lines) - 1} more: {'; '.join(lines[1:])})"
                                                     if len(lines) > 1 else ""))
         return self
+
+
+def _not_listed(plugins: Any) -> str:
+    """The refusal of a ``foak:`` key in a config whose ``plugins:`` does not name the plugin (without it axolotl
+    drops the key and trains without foak)."""
+    listed = ", ".join([*(str(p) for p in plugins or ()), PLUGIN_NAME])
+    return (f"{KEY}: this config has a `{KEY}:` key but does not list foak's plugin under `plugins:`, so foak would "
+            f"not run: add `plugins: [{listed}]` (or remove the `{KEY}:` key)")
 
 
 def _named(plugins: Any) -> bool:
