@@ -165,10 +165,13 @@ class _Session:
             return t
         handle = _Offloaded(self, layer)
         self.handles[layer].append(weakref.ref(handle))
-        if t.requires_grad and t.grad_fn is None:
+        base = t if t._base is None else t._base
+        if t.requires_grad and base.requires_grad and base.grad_fn is None:
             # a leaf of the graph (the embedding output that HF's enable_input_require_grads makes require grad when
-            # the embedding is frozen: LoRA, QLoRA): autograd's AccumulateGrad node holds it until the backward, so
-            # a host copy would free nothing on the device and spend the budget
+            # the embedding is frozen: LoRA, QLoRA), or a view of one (FSDP2 passes a layer's inputs through its
+            # RegisterPostBackwardFunction before the checkpoint sees them: an alias of the leaf with a grad_fn):
+            # autograd's AccumulateGrad node holds the leaf's storage until the backward, so a host copy would free
+            # nothing on the device and spend the budget
             handle.kept = t.detach()
             self.leaf_layers.add(layer)
             return handle
@@ -346,8 +349,8 @@ def offload_activations_rule(arch: str, budget_gib: float | None = None) -> Rule
                 text += f", {kept} kept on the device: budget {_gib(budget.limit)} ({origin}) spent"
             if leaves:
                 text += (f", {leaves} kept on the device: a leaf of the autograd graph (an input that requires "
-                         "grad without a grad_fn, e.g. the frozen embedding's output under PEFT), which autograd holds "
-                         "until the backward anyway")
+                         "grad without a grad_fn, or a view of one, e.g. the frozen embedding's output under PEFT), "
+                         "which autograd holds until the backward anyway")
             row.note_runtime(f"offloaded {type(self).__name__}", text)  # (one note per stack class: multimodal)
             state_of(self).update(layers=len(layers), offloaded_layers=offloaded, kept_layers=kept,
                                   leaf_layers=leaves, offloaded_bytes=session.offloaded_bytes,
