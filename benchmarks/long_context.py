@@ -300,16 +300,13 @@ def unsloth_run(framework: str, length: int, smoke: bool, warmup: int, qlora: bo
     return record
 
 
-# --pinned-register: torch's pinned host allocator takes page-locked memory by malloc + cudaHostRegister on several
-# threads instead of one cudaHostAlloc per block (on the H200 machine cudaHostAlloc pinned ~1.6 GiB/s: ~56 s for
-# the offloaded inputs at 409,600 tokens, in the step)
-PINNED_REGISTER = "pinned_use_cuda_host_register:True,pinned_num_register_threads:8"
-
-
 def alloc_conf() -> str:
-    """The CUDA allocator settings every child process runs with (recorded in its record)."""
+    """The CUDA allocator settings every child process runs with (recorded in its record); --pinned-register adds
+    the pinned host settings foak train uses for a run that offloads (foak.alloc_conf)."""
+    from foak.alloc_conf import PINNED_HOST_TEXT
+
     extra = os.environ.get("FOAK_BENCH_PINNED_REGISTER") == "1"
-    return "expandable_segments:True" + ("," + PINNED_REGISTER if extra else "")
+    return "expandable_segments:True" + ("," + PINNED_HOST_TEXT if extra else "")
 
 
 def run_child(args: list[str], timeout: float) -> tuple[dict | None, str]:

@@ -16,7 +16,7 @@ LAYERS = [
     {"patching"},
     {"quant"},
     {"ops"},
-    {"backend", "data", "model_source"},
+    {"alloc_conf", "backend", "data", "model_source"},
 ]
 RANK = {name: i for i, names in enumerate(LAYERS) for name in names}
 

@@ -170,7 +170,7 @@ def test_host_bytes_count_what_the_pinned_allocator_takes():
 def test_the_row_says_how_torch_pins_and_agrees_with_what_foak_train_sets():
     """The offload row's pinning text follows torch's allocator settings (PYTORCH_ALLOC_CONF first, as torch reads
     it); the settings foak train adds for a run that offloads read as cudaHostRegister on 8 threads."""
-    from foak.train_cli import PINNED_HOST_SETTINGS
+    from foak.alloc_conf import PINNED_HOST_SETTINGS
 
     assert offload.pinning({}).startswith("pinned by cudaHostAlloc, torch's default")
     plain = {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}

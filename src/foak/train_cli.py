@@ -538,13 +538,6 @@ class CheckedRun:
     config: typing.Any  # None (no foak), "default" or the YAML's AccelerationConfig
 
 
-# torch's pinned host allocator settings for a run that offloads: page-locked memory by malloc + cudaHostRegister on
-# 8 threads instead of one cudaHostAlloc per block (H200 machine: 7.7 vs 2.0 GiB/s; at 409,600 tokens the first
-# step pins 87.5 GiB of layer inputs, ~44 s by cudaHostAlloc)
-PINNED_HOST_SETTINGS = {"pinned_use_cuda_host_register": "True", "pinned_num_register_threads": "8"}
-ALLOC_CONF_VARS = ("PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF")  # torch reads the first one set
-
-
 def offloads(checked: CheckedRun) -> bool:
     """Whether the run of ``checked`` switches offload_activations on (--long_context or the YAML)."""
     if checked.config is None:
@@ -555,16 +548,16 @@ def offloads(checked: CheckedRun) -> bool:
 
 
 def pinned_host_allocation(checked: CheckedRun, environ=None) -> str | None:
-    """For a run that offloads: adds :data:`PINNED_HOST_SETTINGS` to torch's allocator settings in ``environ``
-    (default ``os.environ``), before torch is imported; a setting the user gave is kept. Returns the line to log
-    (None: nothing to say). Call it before torch is imported: torch reads the variable once."""
+    """For a run that offloads: adds foak.alloc_conf's PINNED_HOST_SETTINGS to torch's allocator settings in
+    ``environ`` (default ``os.environ``); a setting the user gave is kept. Returns the line to log (None: nothing
+    to say). Call it before torch is imported: torch reads the variable once."""
     if not offloads(checked):
         return None
+    from foak.alloc_conf import PINNED_HOST_SETTINGS, as_dict, settings
+
     environ = os.environ if environ is None else environ
-    name = next((v for v in ALLOC_CONF_VARS if environ.get(v)), ALLOC_CONF_VARS[1])
-    given = [item for item in environ.get(name, "").split(",") if item.strip()]
-    keys = {item.split(":", 1)[0].strip() for item in given}
-    added = [f"{k}:{v}" for k, v in PINNED_HOST_SETTINGS.items() if k not in keys]
+    name, given = settings(environ)
+    added = [f"{k}:{v}" for k, v in PINNED_HOST_SETTINGS.items() if k not in as_dict(given)]
     if not added:
         return None
     if "torch" in sys.modules:  # too late to be sure torch reads it: say what to set instead

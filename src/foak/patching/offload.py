@@ -39,6 +39,7 @@ import weakref
 import torch
 from torch import nn
 
+from foak.alloc_conf import PINNED_HOST_TEXT, as_dict, settings
 from foak.patching.rules import Rule, Trigger, at_trace_time, call_next
 
 __all__ = ["DEFAULT_RAM_FRACTION", "OffloadError", "available_ram_bytes", "offload_activations_rule"]
@@ -373,17 +374,14 @@ _BACKEND = "pinned host memory + side CUDA stream (CUDA); host copy (CPU)"
 
 def pinning(environ=None) -> str:
     """How torch's pinned host allocator takes page-locked memory, as the allocator settings in the environment
-    say (torch reads PYTORCH_ALLOC_CONF, else PYTORCH_CUDA_ALLOC_CONF, once): by cudaHostRegister on several
-    threads when ``pinned_use_cuda_host_register`` is on, else by one cudaHostAlloc per block, which on the H200
-    machine pinned 2.0 GiB/s against 7.7 with 8 register threads (docs/long-context.md)."""
-    environ = os.environ if environ is None else environ
-    conf = next((environ[v] for v in ("PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF") if environ.get(v)), "")
-    settings = dict(item.split(":", 1) for item in conf.replace(" ", "").split(",") if ":" in item)
-    if settings.get("pinned_use_cuda_host_register", "").lower() == "true":
-        threads = settings.get("pinned_num_register_threads", "1")
+    say (foak.alloc_conf): by cudaHostRegister on several threads when ``pinned_use_cuda_host_register`` is on,
+    else by one cudaHostAlloc per block, ~4x slower on the H200 machine (docs/long-context.md)."""
+    conf = as_dict(settings(environ)[1])
+    if conf.get("pinned_use_cuda_host_register", "").lower() == "true":
+        threads = conf.get("pinned_num_register_threads", "1")
         return f"pinned by cudaHostRegister on {threads} thread{'s' if threads != '1' else ''}"
-    return ("pinned by cudaHostAlloc, torch's default: pinned_use_cuda_host_register:True,"
-            "pinned_num_register_threads:8 in PYTORCH_CUDA_ALLOC_CONF before torch starts pins ~4x faster")
+    return (f"pinned by cudaHostAlloc, torch's default: {PINNED_HOST_TEXT} in PYTORCH_CUDA_ALLOC_CONF before torch "
+            "starts pins ~4x faster")
 
 
 _STATS = "_foak_offload_stats"
