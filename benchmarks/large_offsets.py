@@ -8,8 +8,8 @@ views into lazily mapped storages; here the compiled kernels run on real tensors
 Cases: RoPE on a contiguous q [1, 32, 544000, 128] and its gradient in that layout (head 31 starts at 2.16e9
 elements); RMSNorm forward and backward on [1048576, 4096] (4.3e9 elements); cross-entropy forward and backward
 on [17000, 128256] logits (2.2e9 elements). Each compares the first and the last rows / heads with the
-reference in fp32 (bf16 bound 2e-2 relative, max abs error over max abs value). Writes large_offsets_h200.json;
-prints a table last; exits 1 if a case failed.
+reference in fp32 (bf16 bound 2e-2, foak.testing.relative_error: norm of the difference over the reference's).
+Writes large_offsets_h200.json; prints a table last; exits 1 if a case failed.
 """
 
 from __future__ import annotations
@@ -25,15 +25,11 @@ import torch
 from foak.ops.cross_entropy import cross_entropy, cross_entropy_reference
 from foak.ops.rms_norm import rms_norm, rms_norm_reference
 from foak.ops.rope import rope, rope_reference
+from foak.testing import relative_error as rel
 
 TOL = 2e-2
 FULL = dict(rope_len=544_000, norm_rows=1 << 20, ce_rows=17_000, vocab=128256, hidden=4096)
 SMOKE = dict(rope_len=40, norm_rows=70, ce_rows=9, vocab=1000, hidden=64)
-
-
-def rel(got: torch.Tensor, ref: torch.Tensor) -> float:
-    got, ref = got.detach().float(), ref.detach().float()
-    return float((got - ref).abs().max() / ref.abs().max().clamp_min(1e-30))
 
 
 def check_rope(n: int, device: str) -> dict:
