@@ -222,10 +222,85 @@ def test_custom_ops_pass_opcheck(case):
     transform = (0.7, 1.3, 5.0, -100)
     if case.startswith("forward"):
         wanted = (True, True, True, True) if case == "forward all" else (False, False, False, False)
-        op, args = ops.linear_log_probs_forward, (hidden, head, bias, target, *transform, *wanted, None)
+        op, args = ops.linear_log_probs_forward, (hidden, head, bias, target, *transform, *wanted, case == "forward all",
+                                                  None)
     else:
         d_logp = torch.randn(7) if case == "backward" else torch.empty(0)
         op, args = ops.linear_log_probs_backward, (d_logp, torch.randn(7), hidden, head, None, target,
                                                    torch.randn(2, 7), torch.rand(7), *transform, True, True,
                                                    case == "backward", False, 4096)
     torch.library.opcheck(op, args, test_utils=("test_schema", "test_faketensor", "test_aot_dispatch_static"))
+
+
+# a frozen head (LoRA, QLoRA: only hidden needs a gradient): the forward computes each row's d log_probs / d hidden
+# from the logits at hand and the backward scales it; an entropy that receives a gradient takes the recomputing path
+def frozen_run(hidden, weight, bias, target, d_logp, d_ent, fn=linear_log_probs, **kwargs):
+    h = hidden.detach().clone().requires_grad_()
+    out = fn(h, weight, target, bias, **kwargs)
+    loss = (out[0] * d_logp).sum() + ((out[1] * d_ent).sum() if d_ent is not None else 0)
+    return [o.detach() if o is not None else None for o in out], torch.autograd.grad(loss, h)[0]
+
+
+def count_recomputes(monkeypatch):
+    import foak.ops.linear_log_probs as llp
+
+    calls, backward = [], llp._backward_op
+    monkeypatch.setattr(llp, "_backward_op", lambda *a: calls.append(1) or backward(*a))
+    return calls
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("transform", TRANSFORMS)
+@pytest.mark.parametrize("entropy_grad", [False, True])
+def test_frozen_head_gradient_from_the_forward(monkeypatch, dtype, transform, entropy_grad):
+    # 3 blocks of 64 over a vocabulary of 150, 16 rows per chunk over 37 rows (ignored rows among them)
+    monkeypatch.setitem(__import__("foak.ops.linear_log_probs", fromlist=["TUNING"]).TUNING, "block", 64)
+    monkeypatch.setitem(lce_module.TUNING, "chunk_rows", 16)
+    recomputes = count_recomputes(monkeypatch)
+    hidden, weight, b, target = make_inputs(37, 19, 150, dtype, True)
+    g = torch.Generator().manual_seed(5)
+    d_logp, d_ent = torch.randn(37, generator=g), (torch.randn(37, generator=g) if entropy_grad else None)
+    options = dict(zip(("temperature", "logit_scale", "softcap"), transform))
+    out, dh = frozen_run(hidden, weight, b, target, d_logp, d_ent, entropy=True, is_top1=True, **options)
+    assert len(recomputes) == (1 if entropy_grad else 0)  # no recomputed logits unless the entropy needs them
+    ref, ref_dh = frozen_run(hidden, weight, b, target, d_logp.double(), d_ent.double() if entropy_grad else None,
+                             fn=lambda h, w, t, bias, **k: fp64_outputs(h, w, t, bias, *transform))
+    tol = TOL[dtype]
+    assert relative_error(out[0], ref[0]) < tol and relative_error(out[1], ref[1]) < tol
+    assert dh.dtype == dtype and relative_error(dh, ref_dh) < tol * (2 if dtype == torch.bfloat16 else 1)
+    assert (dh[target == -100] == 0).all()
+    # the same gradient as the recomputing backward (a trained head's) computes
+    leaves = [hidden.clone().requires_grad_(), weight.clone().requires_grad_()]
+    trained = linear_log_probs(leaves[0], leaves[1], target, b, entropy=True, **options)
+    loss = (trained.log_probs * d_logp).sum() + ((trained.entropy * d_ent).sum() if entropy_grad else 0)
+    dh_trained = torch.autograd.grad(loss, leaves)[0]
+    if dtype == torch.float32:
+        assert relative_error(dh, dh_trained) < 1e-6
+    else:  # one more bf16 rounding (of the unit gradient before its scaling): within 1.5x the other's error
+        assert relative_error(dh, ref_dh) < 1.5 * relative_error(dh_trained, ref_dh) + 1e-3
+
+
+def test_frozen_head_under_autocast_and_an_fp32_head_over_bf16_weights(monkeypatch):
+    recomputes = count_recomputes(monkeypatch)
+    hidden, weight, b, target = make_inputs(13, 17, 77, torch.float32, True)
+    d = torch.randn(13)
+    _, ref_dh = frozen_run(hidden, weight, b, target, d.double(), None,
+                           fn=lambda h, w, t, bias, **k: fp64_outputs(h, w, t, bias, 1.0, 1.0, None))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out, dh = frozen_run(hidden, weight, b, target, d, None)
+    assert dh.dtype == torch.float32 and relative_error(dh, ref_dh) < 4e-2
+    w16, b16 = weight.bfloat16(), b.bfloat16()  # TRL's cast_lm_head_to_fp32: fp32 hidden, bf16 frozen head
+    _, ref_dh = frozen_run(hidden, w16, b16, target, d.double(), None,
+                           fn=lambda h, w, t, bias, **k: fp64_outputs(h, w, t, bias, 1.0, 1.0, None))
+    _, dh = frozen_run(hidden, w16, b16, target, d, None)
+    assert dh.dtype == torch.float32 and relative_error(dh, ref_dh) < 1e-5
+    assert recomputes == []
+
+
+def test_frozen_head_keeps_one_row_gradient_and_no_logits():
+    hidden, weight, b, target = make_inputs(37, 33, 129, torch.float32, True)
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(tuple(t.shape)) or t, lambda t: t):
+        linear_log_probs(hidden.clone().requires_grad_(), weight, target, b, **ALL)
+    assert saved.count((37, 33)) == 2  # hidden and its d log_probs / d hidden
+    assert all(math.prod(s) < 37 * 129 for s in saved)  # no [N, V] tensor

@@ -16,8 +16,10 @@ distribution of ``x = hidden @ weight.T + bias`` transformed as
 Ignored rows get 0 (False) and no gradient, and cost no GEMM work. Rows are processed in chunks whose
 [rows, V] logits stay under a memory budget (as ``linear_cross_entropy``); each chunk's gradient is written
 into that chunk's own memory. The backward recomputes each chunk's logits (the forward keeps only the row
-statistics), so no [N, V] tensor outlives a chunk. Under ``torch.no_grad()`` (or with inputs that need no
-gradient) nothing is kept for a backward.
+statistics), so no [N, V] tensor outlives a chunk; for a frozen head (only hidden needs a gradient: LoRA,
+QLoRA) the forward computes each row's d log_probs / d hidden from the logits at hand instead, and the backward
+scales it (2 GEMM passes instead of 3). Under ``torch.no_grad()`` (or with inputs that need no gradient) nothing
+is kept for a backward.
 
 Gradient, with g = d/d log_probs and h = d/d entropy of row i and p = softmax(z):
     d/dz_j = g ([j == target] - p_j) - h p_j (log p_j + entropy)
@@ -245,7 +247,7 @@ def _scatter(values, valid, n):
 
 # 4. custom ops and autograd -----------------------------------------------------------------------
 def _forward_fake(hidden, weight, bias, target, temperature, logit_scale, softcap, ignore_index, entropy,
-                  log_sum_sq_probs, mean_logits, is_top1, chunk_bytes):
+                  log_sum_sq_probs, mean_logits, is_top1, input_grad, chunk_bytes):
     n = hidden.shape[0]
     rows = hidden.new_empty(n, dtype=torch.float32)
 
@@ -253,18 +255,19 @@ def _forward_fake(hidden, weight, bias, target, temperature, logit_scale, softca
         return rows.new_empty(n if wanted else 0)
 
     return (rows, rows.new_empty((2, n)), extra(entropy), extra(log_sum_sq_probs), extra(mean_logits),
-            extra(is_top1))
+            extra(is_top1), hidden.new_empty(hidden.shape if input_grad else 0))
 
 
 @custom_op("linear_log_probs_forward", _forward_fake)
 def _forward_op(
     hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, target: torch.Tensor,
     temperature: float, logit_scale: float, softcap: float | None, ignore_index: int, entropy: bool,
-    log_sum_sq_probs: bool, mean_logits: bool, is_top1: bool, chunk_bytes: int | None,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    log_sum_sq_probs: bool, mean_logits: bool, is_top1: bool, input_grad: bool, chunk_bytes: int | None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Per-row log-probs, stats ([2, N]: row max of z and log sum exp(z - max)) and the requested extras
     (empty where not requested; is_top1 as 0./1.), all fp32, 0 on ignored rows. hidden, weight and bias
-    share the GEMM dtype."""
+    share the GEMM dtype. ``input_grad``: also d log_probs / d hidden for each row ([N, H] in hidden's dtype,
+    0 on ignored rows; else empty), computed from the chunk's logits while they are at hand."""
     n = hidden.shape[0]
     valid = _valid_rows(target, ignore_index)
     n_valid = valid.numel()
@@ -273,19 +276,29 @@ def _forward_op(
     wanted = (entropy, log_sum_sq_probs, mean_logits, is_top1)
     extras = [torch.empty(n_valid if w else 0, **f32) for w in wanted]
     dummy = stats  # pointer for outputs not computed
-    for start, end, _rows, _h, logits in _chunks(hidden, weight, bias, valid, chunk_bytes):
+    d_input = torch.zeros_like(hidden) if input_grad else hidden.new_empty(0)
+    unit = torch.ones(min(n_valid, _rows_per_chunk(weight.shape[0], hidden.element_size(), chunk_bytes)), **f32) \
+        if input_grad else None
+    transform = _transform_args(temperature, logit_scale, softcap)
+    for start, end, rows, _h, logits in _chunks(hidden, weight, bias, valid, chunk_bytes):
         count = end - start
         chunk = [e[start:end] if w else dummy for e, w in zip(extras, wanted)]
         chunk_stats = torch.empty((2, count), **f32)
+        chunk_target = target.index_select(0, rows)
         _forward_kernel[(count,)](
-            logits, logits.stride(0), target.index_select(0, valid[start:end]), logp[start:end], chunk_stats,
-            *chunk, count, logits.shape[1], *_transform_args(temperature, logit_scale, softcap),
-            HAS_SOFTCAP=softcap is not None, HAS_ENTROPY=entropy, HAS_SQ=log_sum_sq_probs, HAS_MEAN=mean_logits,
-            HAS_TOP1=is_top1, **_launch_config(logits.shape[1]))
+            logits, logits.stride(0), chunk_target, logp[start:end], chunk_stats, *chunk, count, logits.shape[1],
+            *transform, HAS_SOFTCAP=softcap is not None, HAS_ENTROPY=entropy, HAS_SQ=log_sum_sq_probs,
+            HAS_MEAN=mean_logits, HAS_TOP1=is_top1, **_launch_config(logits.shape[1]))
+        if input_grad:  # the backward's logits gradient for d log_probs = 1, then its input projection
+            _backward_kernel[(count,)](
+                logits, logits.stride(0), chunk_target, chunk_stats, dummy, unit, dummy, count, logits.shape[1],
+                *transform, HAS_SOFTCAP=softcap is not None, HAS_D_LOGP=True, HAS_D_ENT=False,
+                **_launch_config(logits.shape[1]))
+            d_input.index_copy_(0, rows, logits @ weight)
         stats[:, start:end] = chunk_stats
     full_stats = stats.new_zeros((2, n)).index_copy_(1, valid, stats)
     return (_scatter(logp, valid, n), full_stats,
-            *(_scatter(e, valid, n) if w else e for e, w in zip(extras, wanted)))
+            *(_scatter(e, valid, n) if w else e for e, w in zip(extras, wanted)), d_input)
 
 
 def _backward_fake(d_logp, d_ent, hidden, weight, bias, target, stats, ent, temperature, logit_scale, softcap,
@@ -337,7 +350,13 @@ def _backward_op(
 
 class _LinearLogProbsFunction(torch.autograd.Function):
     """hidden in the GEMM dtype; weight and bias the caller's (the op casts them and returns their gradients
-    in their own dtypes). Saves the inputs and the row statistics, never logits."""
+    in their own dtypes). Saves the inputs and the row statistics, never logits.
+
+    A frozen head (only hidden needs a gradient: LoRA, QLoRA) also gets d log_probs / d hidden of each row
+    in the forward, from the logits the forward computed anyway: the gradient is linear in each row's
+    incoming d_logp, so the backward is one scaling (no recomputed logits, 2 GEMMs in all instead of 3),
+    for one [N, H] tensor kept until then. An entropy that receives a gradient after all takes the
+    recomputing backward."""
 
     @staticmethod
     def forward(ctx, hidden, weight, bias, target, params, wanted, dw_fp32, chunk_bytes):
@@ -345,8 +364,10 @@ class _LinearLogProbsFunction(torch.autograd.Function):
         ctx.params, ctx.dw_fp32, ctx.chunk_bytes = params, dw_fp32, chunk_bytes
         ctx.bias_dtype = bias.dtype if bias is not None else None
         w, b, _ = _compute_operands(hidden, weight, bias, dw_fp32)
-        logp, stats, ent, sq, mean, top1 = _forward_op(hidden, w, b, target, *params, *wanted, chunk_bytes)
-        ctx.save_for_backward(hidden, weight, bias, target, stats, ent)
+        input_grad = tuple(ctx.needs_input_grad[:3]) == (True, False, False)
+        logp, stats, ent, sq, mean, top1, d_input = _forward_op(hidden, w, b, target, *params, *wanted, input_grad,
+                                                                chunk_bytes)
+        ctx.save_for_backward(hidden, weight, bias, target, stats, ent, d_input if input_grad else None)
         ctx.mark_non_differentiable(stats, sq, mean, top1)
         return logp, stats, ent, sq, mean, top1
 
@@ -355,7 +376,10 @@ class _LinearLogProbsFunction(torch.autograd.Function):
         want = tuple(ctx.needs_input_grad[:3])
         if (d_logp is None and d_ent is None) or not any(want):
             return (None,) * 8
-        hidden, weight, bias, target, stats, ent = ctx.saved_tensors
+        hidden, weight, bias, target, stats, ent, d_input = ctx.saved_tensors
+        if d_input is not None and d_ent is None:  # a frozen head: d_input holds each row's gradient for d_logp = 1
+            dh = (d_input.float() * d_logp.float()[:, None]).to(hidden.dtype)
+            return dh, None, None, None, None, None, None, None
         empty = stats.new_empty(0)
         grads = _backward_op(d_logp.contiguous() if d_logp is not None else empty,
                              d_ent.contiguous() if d_ent is not None else empty, hidden, weight, bias, target, stats,
@@ -441,7 +465,8 @@ def linear_log_probs(
                                                                         wanted, dw_fp32, chunk_bytes)
         else:  # nothing saved for a backward
             w, b, _ = _compute_operands(hidden2, weight, bias, dw_fp32)
-            logp, _, ent, sq, mean, top1 = _forward_op(hidden2, w, b, target1, *params, *wanted, chunk_bytes)
+            logp, _, ent, sq, mean, top1, _ = _forward_op(hidden2, w, b, target1, *params, *wanted, False,
+                                                          chunk_bytes)
     shape = target.shape
     return LogProbs(logp.view(shape), *(e.view(shape) if w else None for e, w in zip((ent, sq, mean), wanted[:3])),
                     top1.view(shape).bool() if wanted[3] else None)
