@@ -13,7 +13,8 @@ Each invocation writes its own JSON, named after its selection.
 Every run (trainer, model, mode, variant) is its own process. Models: random weights from the built-in configs
 (foak.bench.models: ``llama1b`` = Llama-3.2-1B dims, ``llama8b-8l`` = Llama-3-8B dims with 8 layers), no download.
 Modes: ``full`` (every weight trained; DPO's reference model is a second copy, which foak patches too) and ``lora``
-(PEFT LoRA r16 on every linear layer of the decoder; DPO's reference is the policy with its adapter disabled).
+(PEFT LoRA r16 on every linear layer of the decoder; TRL 1.16's DPO keeps a frozen copy of the initial adapter,
+named "ref", and switches to it for the reference forward).
 Variants: ``trl`` (TRL alone), ``liger`` (``use_liger_kernel=True``: TRL 1.16 applies Liger's layer kernels, keeping
 its own fused LM head), ``foak`` (``foak.patch`` with foak's defaults on the policy, and on DPO's reference model).
 
@@ -28,9 +29,11 @@ TRL's defaults otherwise (bf16 autocast, gradient checkpointing); bf16 weights, 
 torch.cuda.max_memory_allocated over the timed steps.
 
 First a correctness check: each trainer for 2 steps in fp32 (2 layers of Llama-1B dims, 256-token sequences, full
-FT), every variant in its own process; every metric TRL logged (loss, rewards, log-probs, entropy, grad_norm, ...) must
-agree with TRL alone within 1e-4 relative (+1e-5 absolute for differences of log-probs). Each timed row also
-records its step-1 metrics and their largest relative distance from TRL alone's (bf16: for reading, not a pass/fail).
+FT, SGD at lr 0.1: Adam's first step moves every weight by about lr whatever its gradient's size, so gradients that
+differ by rounding near 0 would move weights by +-lr and step 2 would compare noise), every variant in its own
+process; every metric TRL logged (loss, rewards, log-probs, entropy, grad_norm, ...) must agree with TRL alone
+within 1e-4 relative (+1e-5 absolute for differences of log-probs). Each timed row also records its step-1 metrics
+and their largest relative distance from TRL alone's (bf16: for reading, not a pass/fail).
 Each row counts the calls of TRL's own fused-head kernel and the calls foak served (the fused_linear_loss rows).
 
 Writes ``rl_h200[_check]_<trainers>_<models>_<modes>.json`` (``rl_smoke.json`` with --cpu-smoke): environment, check
@@ -84,8 +87,10 @@ def _text(rng: random.Random, n: int, alphabet: str) -> str:
     return "".join(rng.choice(alphabet) for _ in range(n))
 
 
-def one_run(trainer_name: str, model_name: str, mode: str, variant: str, kind: str, grpo_beta: float = 0.0) -> dict:
-    """One process: build, patch, train WARMUP + TIMED steps (2 for the check), return the record."""
+def one_run(trainer_name: str, model_name: str, mode: str, variant: str, kind: str, grpo_beta: float = 0.0,
+            profile: bool = False) -> dict:
+    """One process: build, patch, train WARMUP + TIMED steps (2 for the check), return the record. ``profile``:
+    the last step also runs under torch.profiler (its kernels' device time, summed by name, in the record)."""
     import datasets
     import peft
     import torch
@@ -99,7 +104,7 @@ def one_run(trainer_name: str, model_name: str, mode: str, variant: str, kind: s
     device = "cpu" if kind == "smoke" else "cuda"
     bf16 = kind == "bench"
     dtype = torch.bfloat16 if bf16 else torch.float32
-    steps = 2 if kind != "bench" else WARMUP + TIMED
+    steps = (2 if kind != "bench" else WARMUP + TIMED) + (1 if profile else 0)  # + the profiled step
     warmup = 0 if kind != "bench" else WARMUP
     prompt_len, completion_len = SHAPES[kind][trainer_name]
     tokenizer = char_tokenizer()
@@ -140,23 +145,35 @@ def one_run(trainer_name: str, model_name: str, mode: str, variant: str, kind: s
         if ref_model is not None:
             reports["reference"] = foak.patch(ref_model, mixed_precision=precision)
 
-    step_times = []
+    step_times, kernels = [], []
 
     class Timer(transformers.TrainerCallback):
+        profiler = None
+
         def on_step_begin(self, args, state, control, **kwargs):
             if device == "cuda":
                 torch.cuda.synchronize()
             if state.global_step == warmup:
                 reset_peak_memory(device)
+            if profile and state.global_step == steps - 1:  # the last step (its time is not counted)
+                activities = [torch.profiler.ProfilerActivity.CPU] + (
+                    [torch.profiler.ProfilerActivity.CUDA] if device == "cuda" else [])
+                self.profiler = torch.profiler.profile(activities=activities)
+                self.profiler.__enter__()
             self.t0 = time.perf_counter()
 
         def on_step_end(self, args, state, control, **kwargs):
             if device == "cuda":
                 torch.cuda.synchronize()
+            if self.profiler is not None:
+                self.profiler.__exit__(None, None, None)
+                kernels.extend(_kernel_table(self.profiler, device))
+                self.profiler = None
+                return
             step_times.append(time.perf_counter() - self.t0)
 
     common = dict(output_dir=f"/tmp/rl_bench_{os.getpid()}", max_steps=steps, learning_rate=1e-6 if bf16 else 0.1,
-                  optim="adamw_torch_fused" if device == "cuda" else "sgd", report_to="none", save_strategy="no",
+                  optim="adamw_torch_fused" if bf16 else "sgd", report_to="none", save_strategy="no",
                   logging_steps=1, bf16=bf16, seed=3, dataloader_num_workers=0, use_liger_kernel=variant == "liger",
                   lr_scheduler_type="constant")
     if trainer_name == "dpo":
@@ -213,6 +230,8 @@ def one_run(trainer_name: str, model_name: str, mode: str, variant: str, kind: s
               "step_ms": 1e3 * sum(timed) / len(timed) if timed else None,
               "peak_gib": peak_memory(device)["peak_allocated_gib"] if device == "cuda" else None,
               "metrics": logs, "trl_kernel_calls": trl_calls[0]}
+    if profile:
+        record["profile"] = kernels
     for role, report in reports.items():
         notes = report.result(f"{report.model_type}.fused_linear_loss").notes
         served, fallback = SERVED.search(notes), [int(x) for x in FALLBACK.findall(notes)]
@@ -220,6 +239,18 @@ def one_run(trainer_name: str, model_name: str, mode: str, variant: str, kind: s
         record[f"foak_fallback_{role}"] = sum(fallback)
         record[f"report_{role}"] = str(report)
     return record
+
+
+def _kernel_table(profiler, device: str, top: int = 40) -> list[dict]:
+    """The profiled step's kernels (CUDA) or ops (CPU), device time summed per name, largest first."""
+    rows = []
+    for event in profiler.key_averages():
+        us = getattr(event, "self_device_time_total", None) if device == "cuda" else event.self_cpu_time_total
+        if us:
+            rows.append({"name": event.key[:120], "calls": event.count, "ms": us / 1e3})
+    rows.sort(key=lambda r: -r["ms"])
+    total = sum(r["ms"] for r in rows)
+    return [{"name": "(total)", "calls": sum(r["calls"] for r in rows), "ms": total}] + rows[:top]
 
 
 # counts of comparisons between near-equal numbers (DPO's step 1: policy == reference, every reward ~0): they flip
@@ -239,8 +270,9 @@ def _distance(metrics, ref_metrics) -> tuple[float, str]:
     return worst, where
 
 
-def _spawn(args: list[str], timeout: float, grpo_beta: float) -> dict:
-    command = [sys.executable, os.path.abspath(__file__), "--one", *args, "--grpo-beta", str(grpo_beta)]
+def _spawn(args: list[str], timeout: float, grpo_beta: float, profile: bool = False) -> dict:
+    command = [sys.executable, os.path.abspath(__file__), "--one", *args, "--grpo-beta", str(grpo_beta)] + (
+        ["--profile"] if profile else [])
     try:
         done = subprocess.run(command, capture_output=True, text=True, timeout=timeout,
                               env=dict(os.environ, PYTORCH_CUDA_ALLOC_CONF="expandable_segments:True"))
@@ -272,7 +304,7 @@ def _environment() -> dict:
 
 
 def _short(record: dict) -> dict:
-    return {k: v for k, v in record.items() if not k.startswith("report_") and k != "metrics"}
+    return {k: v for k, v in record.items() if not k.startswith("report_") and k not in ("metrics", "profile")}
 
 
 def main() -> int:
@@ -291,9 +323,11 @@ def main() -> int:
     parser.add_argument("--grpo-beta", type=float, default=0.0,
                         help="GRPO's KL coefficient (TRL's default 0: no reference model); > 0 adds the reference "
                              "model's forward (full FT: TRL loads it from the policy saved to a temporary directory)")
+    parser.add_argument("--profile", action="store_true",
+                        help="timed rows: one more step under torch.profiler, its kernels in the JSON and the log")
     args = parser.parse_args()
     if args.one:
-        print("RESULT " + json.dumps(one_run(*args.one, args.kind, args.grpo_beta)), flush=True)
+        print("RESULT " + json.dumps(one_run(*args.one, args.kind, args.grpo_beta, args.profile)), flush=True)
         return 0
 
     smoke = args.cpu_smoke
@@ -324,7 +358,7 @@ def main() -> int:
                 ref = None
                 for variant in variants:
                     record = _spawn([trainer, model, mode, variant, "--kind", "smoke" if smoke else "bench"],
-                                    args.timeout, args.grpo_beta)
+                                    args.timeout, args.grpo_beta, args.profile)
                     record.update(trainer=trainer, model=model, mode=mode, variant=variant)
                     if variant == "trl":
                         ref = record
@@ -365,6 +399,11 @@ def main() -> int:
         print(f"| {r['trainer']} | {r['model']} | {r['mode']} | {r['variant']} | {r['tokens_per_s']:.0f} | "
               f"{r.get('speedup', float('nan')):.2f} | {peak} | {r.get('memory_ratio', float('nan')):.2f} | "
               f"{r.get('step1_distance', float('nan')):.1e} | {r['trl_kernel_calls']} | {served} |")
+    for r in rows:
+        if r.get("profile"):
+            print(f"\nprofiled step, {r['trainer']} {r['model']} {r['mode']} {r['variant']}: kernel | calls | ms")
+            for k in r["profile"][:16]:
+                print(f"| {k['name'][:90]} | {k['calls']} | {k['ms']:.2f} |")
     return 0 if all(r["ok"] for r in checks) else 1
 
 

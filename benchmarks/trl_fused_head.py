@@ -9,8 +9,11 @@ memory of the head, after a check that both compute the same numbers.
 One process checks foak against TRL (every request, a few thousand tokens); then each variant (TRL, foak) runs
 in its own process per head size. Requests: what the trainers ask (DPO's and KTO's with a per-token gradient
 of the log-probs, GRPO's also differentiating the entropy with temperature 0.9, SFT's, a reference model's
-no-grad forward), each with the head trained (full fine-tuning) and frozen (LoRA). Writes
-DIR/trl_fused_head.json; prints a markdown table last; exits 1 if a check failed.
+no-grad forward), each with the head trained (full fine-tuning) and frozen (LoRA). The gradient reaching the
+log-probs is random per token, except for SFT's request, whose loss is the mean of the log-probs (a uniform gradient,
+which foak's SFT path computes in the forward). ``--foak-chunks-mib 256 1024`` adds foak variants with other logits
+chunk budgets (foak's default: 512 MiB); ``--profile`` adds each variant's kernels (device time per name) for the
+DPO requests. Writes DIR/trl_fused_head.json; prints a markdown table last; exits 1 if a check failed.
 """
 
 from __future__ import annotations
@@ -67,7 +70,10 @@ def call(weight, hidden, targets, request, frozen):
     grads = ()
     if training:
         g = torch.Generator(device=hidden.device).manual_seed(1)
-        loss = (out[0] * torch.randn(out[0].shape, device=hidden.device, generator=g)).sum()
+        if request == "sft":  # SFT's loss: the mean negative log-likelihood of the tokens
+            loss = -out[0].mean()
+        else:
+            loss = (out[0] * torch.randn(out[0].shape, device=hidden.device, generator=g)).sum()
         if entropy_grad:
             loss = loss + (out[1] * torch.randn(out[1].shape, device=hidden.device, generator=g)).sum()
         loss.backward()
@@ -114,7 +120,11 @@ def check(args, shapes) -> dict:
 
 def measure(args, shapes, variant, size) -> dict:
     device = "cpu" if args.cpu_smoke else "cuda"
-    model = head(shapes["sizes"][size], shapes["vocab"], device, variant)
+    if variant.startswith("foak") and variant != "foak":  # foakN: a logits chunk budget of N MiB
+        import foak.patching.replacements as replacements
+
+        replacements.FUSED_LOSS_CHUNK_BYTES = int(variant[4:]) << 20
+    model = head(shapes["sizes"][size], shapes["vocab"], device, "foak" if variant.startswith("foak") else variant)
     hidden, targets = inputs(model, shapes["tokens"], device)
     weight, rows = model.lm_head.weight, {}
     for request in REQUESTS:
@@ -135,8 +145,22 @@ def measure(args, shapes, variant, size) -> dict:
                 t0, peak = time.perf_counter(), float("nan")
                 run()
                 ms = (time.perf_counter() - t0) * 1e3
-            rows[f"{request}{' lora' if frozen and REQUESTS[request][3] else ''}"] = {"ms": ms, "peak_mib": peak}
+            name = f"{request}{' lora' if frozen and REQUESTS[request][3] else ''}"
+            rows[name] = {"ms": ms, "peak_mib": peak}
+            if args.profile and request == "dpo" and device == "cuda":
+                rows[name]["kernels"] = kernel_table(run)
     return rows
+
+
+def kernel_table(run, top: int = 12) -> list:
+    """One call of ``run`` under torch.profiler: [name, calls, device ms] per kernel name, largest first."""
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        run()
+        torch.cuda.synchronize()
+    rows = [(e.key[:100], e.count, e.self_device_time_total / 1e3) for e in prof.key_averages()
+            if e.self_device_time_total]
+    rows.sort(key=lambda r: -r[2])
+    return [("(total)", sum(r[1] for r in rows), sum(r[2] for r in rows))] + rows[:top]
 
 
 def main() -> int:
@@ -144,6 +168,9 @@ def main() -> int:
     parser.add_argument("--out", default=os.environ.get("OUT", "benchmarks/results"))
     parser.add_argument("--cpu-smoke", action="store_true")
     parser.add_argument("--reps", type=int, default=20)
+    parser.add_argument("--foak-chunks-mib", type=int, nargs="*", default=[],
+                        help="more foak variants, each with this logits chunk budget (MiB)")
+    parser.add_argument("--profile", action="store_true", help="each variant's kernels for the DPO requests")
     parser.add_argument("--child", help=argparse.SUPPRESS)  # "check" or "VARIANT:SIZE"
     args = parser.parse_args()
     shapes = SMOKE if args.cpu_smoke else dict(vocab=VOCAB, tokens=TOKENS, check_tokens=CHECK_TOKENS, sizes=SIZES)
@@ -154,7 +181,7 @@ def main() -> int:
 
     def child(name):
         cmd = [sys.executable, __file__, "--child", name, "--reps", str(args.reps)] + (
-            ["--cpu-smoke"] if args.cpu_smoke else [])
+            ["--cpu-smoke"] if args.cpu_smoke else []) + (["--profile"] if args.profile else [])
         proc = subprocess.run(cmd, capture_output=True, text=True)
         line = [x for x in proc.stdout.splitlines() if x.startswith("RESULT ")]
         if proc.returncode or not line:
@@ -165,8 +192,8 @@ def main() -> int:
     from foak.bench.measure import environment
 
     checks = child("check")
-    timings = {f"{variant}:{size}": child(f"{variant}:{size}") for size in shapes["sizes"]
-               for variant in ("trl", "foak")}
+    variants = ("trl", "foak", *(f"foak{mib}" for mib in args.foak_chunks_mib))
+    timings = {f"{variant}:{size}": child(f"{variant}:{size}") for size in shapes["sizes"] for variant in variants}
     ok = "error" not in checks and all(c["ok"] for c in checks.values()) and not any(
         "error" in t for t in timings.values())
     result = {"shapes": {k: v for k, v in shapes.items()}, "checks": checks, "timings": timings, "ok": ok,
@@ -176,14 +203,23 @@ def main() -> int:
     print(json.dumps(checks, indent=1))
     print(f"\n{shapes['tokens']} tokens, vocabulary {shapes['vocab']}, bf16 head; fwd+bwd ms · peak MiB over the "
           "inputs")
-    print("| size | request | TRL | foak | speed-up (TRL ms / foak ms) |")
-    print("|---|---|---|---|---|")
     for size in shapes["sizes"]:
-        trl, foak_ = timings[f"trl:{size}"], timings[f"foak:{size}"]
+        for variant in variants:
+            for name, row in timings[f"{variant}:{size}"].items():
+                for kernel, calls, ms in row.get("kernels", []) if isinstance(row, dict) else []:
+                    print(f"kernels {size} {variant} {name} | {kernel} | {calls} | {ms:.2f}")
+    others = variants[1:]
+    print("| size | request | TRL | " + " | ".join(others) + " | speed-up (TRL ms / foak ms) |")
+    print("|---|---|---|" + "---|" * len(others) + "---|")
+    nan = {"ms": float("nan"), "peak_mib": float("nan")}
+    for size in shapes["sizes"]:
+        trl = timings[f"trl:{size}"]
         for name in trl if "error" not in trl else ():
-            a, b = trl[name], foak_.get(name, {"ms": float("nan"), "peak_mib": float("nan")})
-            print(f"| {size} | {name} | {a['ms']:.2f} · {a['peak_mib']:.0f} | {b['ms']:.2f} · {b['peak_mib']:.0f} | "
-                  f"{a['ms'] / b['ms']:.2f}x |")
+            a = trl[name]
+            got = [timings[f"{v}:{size}"].get(name, nan) for v in others]
+            cells = " | ".join(f"{b['ms']:.2f} · {b['peak_mib']:.0f}" for b in got)
+            print(f"| {size} | {name} | {a['ms']:.2f} · {a['peak_mib']:.0f} | {cells} | "
+                  f"{a['ms'] / got[0]['ms']:.2f}x |")
     print("checks:", "all passed" if ok else "FAILED")
     return 0 if ok else 1
 

@@ -222,8 +222,8 @@ def test_custom_ops_pass_opcheck(case):
     transform = (0.7, 1.3, 5.0, -100)
     if case.startswith("forward"):
         wanted = (True, True, True, True) if case == "forward all" else (False, False, False, False)
-        op, args = ops.linear_log_probs_forward, (hidden, head, bias, target, *transform, *wanted, case == "forward all",
-                                                  None)
+        input_grad = case == "forward all"
+        op, args = ops.linear_log_probs_forward, (hidden, head, bias, target, *transform, *wanted, input_grad, None)
     else:
         d_logp = torch.randn(7) if case == "backward" else torch.empty(0)
         op, args = ops.linear_log_probs_backward, (d_logp, torch.randn(7), hidden, head, None, target,
