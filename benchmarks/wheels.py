@@ -1,12 +1,12 @@
 """The packages a benchmark needs on the GPU machine that its image lacks, as Python 3.12 wheels to carry.
 
-    python3 benchmarks/wheels.py base trl            # download into .wheels/ (ignored by git; carry ".wheels")
+    python3 benchmarks/wheels.py base trl datasets   # download into .wheels/ (ignored by git; carry ".wheels")
     python3 benchmarks/wheels.py unsloth --dir .wheels_unsloth
     python3 benchmarks/wheels.py --list              # the sets, their pins and what needs them
 
 The GPU image (Python 3.12, torch 2.11, transformers 5.17, peft, accelerate, datasets' own dependencies) has no
-pydantic, bitsandbytes, Liger, TRL or Unsloth. A set is downloaded without dependencies (every wheel it needs is
-named here, pinned), for CPython 3.12 on x86_64 Linux. Unsloth's wheel (28.6 MB) is rewritten without its studio/
+pydantic, bitsandbytes, Liger, TRL, datasets or Unsloth. A set is downloaded without dependencies (every wheel it
+needs is named here, pinned), for CPython 3.12 on x86_64 Linux. Unsloth's wheel (28.6 MB) is rewritten without its studio/
 and unsloth_cli/ folders (1.9 MB left; the training path never imports them). The script prints the total size
 (the device tool carries 64 MiB per call) and the install line to run first on the GPU machine.
 """
@@ -25,11 +25,14 @@ SETS = {
              "bitsandbytes==0.50.2", "liger-kernel==0.8.5"),
     # benchmarks/rl.py, trl_fused_head.py, distill.py, real_world.py (TRL's trainers)
     "trl": ("trl==1.16.0",),
+    # TRL's trainers take a datasets.Dataset (rl.py, distill.py): the image has datasets' dependencies, not datasets
+    "datasets": ("datasets==5.2.0", "dill==0.4.1", "multiprocess==0.70.19"),
     # benchmarks/long_context.py's unsloth frameworks (with base and trl)
     "unsloth": ("unsloth==2026.10.9", "unsloth_zoo==2026.10.9", "datasets==5.2.0", "dill==0.4.1",
                 "multiprocess==0.70.19"),
 }
 USED_BY = {"base": "every benchmark with Liger, QLoRA or a foak YAML", "trl": "rl.py, trl_fused_head.py, distill.py",
+           "datasets": "rl.py, distill.py (with trl)",
            "unsloth": "long_context.py --frameworks unsloth unsloth-tiled (install base and trl too)"}
 STRIP = {"unsloth": ("studio/", "unsloth_cli/")}  # wheel name prefix -> folders left out
 CARRY_LIMIT = 64 << 20
