@@ -12,8 +12,9 @@ of the log-probs, GRPO's also differentiating the entropy with temperature 0.9, 
 no-grad forward), each with the head trained (full fine-tuning) and frozen (LoRA). The gradient reaching the
 log-probs is random per token, except for SFT's request, whose loss is the mean of the log-probs (a uniform gradient,
 which foak's SFT path computes in the forward). ``--foak-chunks-mib 256 1024`` adds foak variants with other logits
-chunk budgets (foak's default: 512 MiB); ``--profile`` adds each variant's kernels (device time per name) for the
-DPO requests. Writes DIR/trl_fused_head.json; prints a markdown table last; exits 1 if a check failed.
+chunk budgets (foak's default: 512 MiB), ``--foak-forward-blocks 16384`` one whose forward row kernels all take that
+block (foak's default shrinks it as more statistics are requested); ``--profile`` adds each variant's kernels
+(device time per name) for the DPO requests. Writes DIR/trl_fused_head.json; prints a markdown table last; exits 1 if a check failed.
 """
 
 from __future__ import annotations
@@ -120,10 +121,17 @@ def check(args, shapes) -> dict:
 
 def measure(args, shapes, variant, size) -> dict:
     device = "cpu" if args.cpu_smoke else "cuda"
-    if variant.startswith("foak") and variant != "foak":  # foakN: a logits chunk budget of N MiB
-        import foak.patching.replacements as replacements
+    for knob in variant.split("-")[1:]:  # foak-cN: a logits chunk budget of N MiB; foak-bN: every forward block N
+        if knob[0] == "c":
+            import foak.patching.replacements as replacements
 
-        replacements.FUSED_LOSS_CHUNK_BYTES = int(variant[4:]) << 20
+            replacements.FUSED_LOSS_CHUNK_BYTES = int(knob[1:]) << 20
+        else:
+            import foak.ops.cross_entropy as ce
+            import foak.ops.linear_log_probs as llp
+
+            llp.TUNING["forward_blocks"] = (int(knob[1:]),) * 4
+            ce.TUNING["block_stats"] = int(knob[1:])
     model = head(shapes["sizes"][size], shapes["vocab"], device, "foak" if variant.startswith("foak") else variant)
     hidden, targets = inputs(model, shapes["tokens"], device)
     weight, rows = model.lm_head.weight, {}
@@ -170,6 +178,9 @@ def main() -> int:
     parser.add_argument("--reps", type=int, default=20)
     parser.add_argument("--foak-chunks-mib", type=int, nargs="*", default=[],
                         help="more foak variants, each with this logits chunk budget (MiB)")
+    parser.add_argument("--foak-forward-blocks", type=int, nargs="*", default=[],
+                        help="more foak variants, each with this block for every forward row kernel (foak's default "
+                             "depends on the statistics requested)")
     parser.add_argument("--profile", action="store_true", help="each variant's kernels for the DPO requests")
     parser.add_argument("--child", help=argparse.SUPPRESS)  # "check" or "VARIANT:SIZE"
     args = parser.parse_args()
@@ -192,7 +203,8 @@ def main() -> int:
     from foak.bench.measure import environment
 
     checks = child("check")
-    variants = ("trl", "foak", *(f"foak{mib}" for mib in args.foak_chunks_mib))
+    variants = ("trl", "foak", *(f"foak-c{mib}" for mib in args.foak_chunks_mib),
+                *(f"foak-b{block}" for block in args.foak_forward_blocks))
     timings = {f"{variant}:{size}": child(f"{variant}:{size}") for size in shapes["sizes"] for variant in variants}
     ok = "error" not in checks and all(c["ok"] for c in checks.values()) and not any(
         "error" in t for t in timings.values())

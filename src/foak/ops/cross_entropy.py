@@ -42,8 +42,11 @@ from foak.ops._inplace import claim
 REDUCTIONS = ("mean", "sum", "none")
 MAX_VOCAB = 1 << 20
 # Launch knobs, swept on the GPU by benchmarks/tune_ops.py ([8192, 128256] bf16 on the H200: one program
-# per row, blocks of 16384 with 32 warps and a per-lane logsumexp were fastest, 2.46 ms fwd+bwd).
-TUNING = {"block": 16384, "warps": 32, "programs_per_sm": 0}
+# per row, blocks of 16384 with 32 warps and a per-lane logsumexp were fastest, 2.46 ms fwd+bwd). A forward
+# that keeps more per-lane state (row statistics: 2, softcap: 1, label smoothing: 1; 2 or more) spilled 120-560
+# bytes of registers per thread at 16384 on sm_90 (Triton 3.6 and 3.9): it takes "block_stats", which does not
+# (tests/test_register_spills.py).
+TUNING = {"block": 16384, "block_stats": 8192, "warps": 32, "programs_per_sm": 0}
 
 
 # 1. reference -------------------------------------------------------------------------------------
@@ -310,7 +313,7 @@ def ce_launch(logits, target, *, grad=None, dloss=None, stats=None, class_weight
         weight_sum = stats  # unused
     else:
         weight_sum = class_weight.sum(dtype=torch.float32) if class_weight_sum is None else class_weight_sum
-    block = min(TUNING["block"], triton.next_power_of_2(n_cols))
+    block = _row_block(n_cols, _forward_pressure(row_stats, softcap, label_smoothing) if forward else 0)
     if n_rows:
         _cross_entropy_kernel[(_num_programs(logits.device, n_rows),)](
             logits, logits.stride(0), target, grad, grad.stride(0), loss, stats, z_loss,
@@ -323,6 +326,15 @@ def ce_launch(logits, target, *, grad=None, dloss=None, stats=None, class_weight
             num_warps=min(TUNING["warps"], max(4, block // 128)),
         )
     return loss, stats, z_loss, acc, ent
+
+
+def _forward_pressure(row_stats: bool, softcap, label_smoothing: float) -> int:
+    """The forward's per-lane state beyond the logsumexp (see TUNING)."""
+    return 2 * bool(row_stats) + (softcap is not None) + (label_smoothing > 0)
+
+
+def _row_block(n_cols: int, pressure: int) -> int:
+    return min(TUNING["block_stats"] if pressure >= 2 else TUNING["block"], triton.next_power_of_2(n_cols))
 
 
 @functools.cache

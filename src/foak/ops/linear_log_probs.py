@@ -210,13 +210,23 @@ def _backward_kernel(
 
 
 # 3. launchers -------------------------------------------------------------------------------------
-# Launch knobs (as ops/cross_entropy.py's row kernel: one program per row, the vocabulary in blocks).
-TUNING = {"block": 16384, "warps": 32}
+# Launch knobs (as ops/cross_entropy.py's row kernel: one program per row, the vocabulary in blocks). The
+# forward keeps per-lane state for each requested statistic; "forward_blocks"[p] is its block for a register
+# pressure p = statistics requested + softcap (capped at 3): at 32 warps these are the largest blocks that do not
+# spill registers on sm_90 with Triton 3.6 and 3.9 (16384 spilled 240 bytes per thread for DPO's request, 120 for a
+# softcapped reference forward; tests/test_register_spills.py compiles them).
+TUNING = {"block": 16384, "warps": 32, "forward_blocks": (16384, 8192, 8192, 4096)}
 
 
-def _launch_config(n_cols: int) -> dict:
-    block = min(TUNING["block"], triton.next_power_of_2(n_cols))
+def _launch_config(n_cols: int, pressure: int | None = None) -> dict:
+    """(BLOCK, num_warps) for the backward kernel, or for the forward kernel at register ``pressure``."""
+    block = TUNING["block"] if pressure is None else TUNING["forward_blocks"][min(pressure, 3)]
+    block = min(block, triton.next_power_of_2(n_cols))
     return dict(BLOCK=block, num_warps=min(TUNING["warps"], max(4, block // 128)))
+
+
+def _forward_pressure(entropy, log_sum_sq_probs, mean_logits, is_top1, softcap) -> int:
+    return int(entropy) + int(log_sum_sq_probs) + int(mean_logits) + int(is_top1) + int(softcap is not None)
 
 
 def _transform_args(temperature, logit_scale, softcap):
@@ -280,6 +290,7 @@ def _forward_op(
     unit = torch.ones(min(n_valid, _rows_per_chunk(weight.shape[0], hidden.element_size(), chunk_bytes)), **f32) \
         if input_grad else None
     transform = _transform_args(temperature, logit_scale, softcap)
+    pressure = _forward_pressure(entropy, log_sum_sq_probs, mean_logits, is_top1, softcap)
     for start, end, rows, _h, logits in _chunks(hidden, weight, bias, valid, chunk_bytes):
         count = end - start
         chunk = [e[start:end] if w else dummy for e, w in zip(extras, wanted)]
@@ -288,7 +299,7 @@ def _forward_op(
         _forward_kernel[(count,)](
             logits, logits.stride(0), chunk_target, logp[start:end], chunk_stats, *chunk, count, logits.shape[1],
             *transform, HAS_SOFTCAP=softcap is not None, HAS_ENTROPY=entropy, HAS_SQ=log_sum_sq_probs,
-            HAS_MEAN=mean_logits, HAS_TOP1=is_top1, **_launch_config(logits.shape[1]))
+            HAS_MEAN=mean_logits, HAS_TOP1=is_top1, **_launch_config(logits.shape[1], pressure))
         if input_grad:  # the backward's logits gradient for d log_probs = 1, then its input projection
             _backward_kernel[(count,)](
                 logits, logits.stride(0), chunk_target, chunk_stats, dummy, unit, dummy, count, logits.shape[1],
