@@ -447,3 +447,14 @@ def test_bad_input(kwargs, message):
     hidden, weight, target, bias = (args.pop(k) for k in ("hidden", "weight", "target", "bias"))
     with pytest.raises(ValueError, match=f"(?i){message}"):
         linear_cross_entropy(hidden, weight, target, bias, **args)
+
+
+def test_rows_per_chunk_fill_whole_gemm_tiles_within_the_budget():
+    from foak.ops.linear_cross_entropy import _rows_per_chunk
+
+    cases = [(128256, 2, 512 << 20), (151936, 2, 512 << 20), (128256, 4, 1 << 30), (262144, 2, 512 << 20)]
+    for vocab, size, budget in cases:
+        rows = _rows_per_chunk(vocab, size, budget)
+        assert rows % 128 == 0 and rows * vocab * size <= budget < (rows + 128) * vocab * size, (vocab, rows)
+    small = _rows_per_chunk(128256, 2, 112 << 20)  # under 1024 rows: multiples of 16 (448 rows, not 384)
+    assert small == 448

@@ -63,9 +63,12 @@ TUNING = {"chunk_bytes": 112 * 2**20, "chunk_rows": None}
 
 
 def _rows_per_chunk(n_classes: int, element_size: int, chunk_bytes: int | None = None) -> int:
+    """Rows of one [rows, V] logits chunk within the budget: a multiple of 128 from 1024 rows on (the chunk is the
+    M dimension of its GEMMs, whose tiles are 128 or 256 rows: 2080 rows would leave a last tile of 32), else of 16."""
     if TUNING["chunk_rows"]:
         return int(TUNING["chunk_rows"])
-    return max(16, (chunk_bytes or TUNING["chunk_bytes"]) // (n_classes * element_size) // 16 * 16)
+    rows = (chunk_bytes or TUNING["chunk_bytes"]) // (n_classes * element_size)
+    return rows // 128 * 128 if rows >= 1024 else max(16, rows // 16 * 16)
 
 
 def _weight_gradient_gemm(dw: torch.Tensor, g_t: torch.Tensor, h: torch.Tensor, first: bool) -> None:
