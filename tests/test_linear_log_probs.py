@@ -304,3 +304,19 @@ def test_frozen_head_keeps_one_row_gradient_and_no_logits():
         linear_log_probs(hidden.clone().requires_grad_(), weight, target, b, **ALL)
     assert saved.count((37, 33)) == 2  # hidden and its d log_probs / d hidden
     assert all(math.prod(s) < 37 * 129 for s in saved)  # no [N, V] tensor
+
+
+def test_frozen_head_under_torch_compile_matches_eager():
+    # fullgraph through the autograd function and both custom ops (aot_eager: no inductor codegen on the CPU); under
+    # compile the entropy's unused gradient arrives as zeros, so the recomputing backward runs: the same gradient
+    hidden, weight, _, target = make_inputs(37, 16, 129, torch.float32, False)
+    d = torch.randn(37)
+
+    def step(h):
+        out = linear_log_probs(h, weight, target, entropy=True, is_top1=True)
+        return (out.log_probs * d).sum()
+
+    h = hidden.clone().requires_grad_()
+    want = torch.autograd.grad(step(h), h)[0]
+    got = torch.autograd.grad(torch.compile(step, backend="aot_eager", fullgraph=True)(h), h)[0]
+    assert relative_error(got, want) < 1e-5

@@ -367,15 +367,17 @@ class _LinearLogProbsFunction(torch.autograd.Function):
     in the forward, from the logits the forward computed anyway: the gradient is linear in each row's
     incoming d_logp, so the backward is one scaling (no recomputed logits, 2 GEMMs in all instead of 3),
     for one [N, H] tensor kept until then. An entropy that receives a gradient after all takes the
-    recomputing backward."""
+    recomputing backward (so does any call under torch.compile, whose autograd sends the entropy's
+    unused gradient as zeros)."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, bias, target, params, wanted, dw_fp32, chunk_bytes):
+    def forward(ctx, hidden, weight, bias, target, params, wanted, dw_fp32, chunk_bytes, input_grad):
+        # input_grad: only hidden needs a gradient (decided by the caller from requires_grad: under torch.compile
+        # ctx.needs_input_grad is not known yet in the forward)
         ctx.set_materialize_grads(False)  # an entropy only logged sends no zeros back
         ctx.params, ctx.dw_fp32, ctx.chunk_bytes = params, dw_fp32, chunk_bytes
         ctx.bias_dtype = bias.dtype if bias is not None else None
         w, b, _ = _compute_operands(hidden, weight, bias, dw_fp32)
-        input_grad = tuple(ctx.needs_input_grad[:3]) == (True, False, False)
         logp, stats, ent, sq, mean, top1, d_input = _forward_op(hidden, w, b, target, *params, *wanted, input_grad,
                                                                 chunk_bytes)
         ctx.save_for_backward(hidden, weight, bias, target, stats, ent, d_input if input_grad else None)
@@ -386,11 +388,11 @@ class _LinearLogProbsFunction(torch.autograd.Function):
     def backward(ctx, d_logp, _d_stats, d_ent, *_):
         want = tuple(ctx.needs_input_grad[:3])
         if (d_logp is None and d_ent is None) or not any(want):
-            return (None,) * 8
+            return (None,) * 9
         hidden, weight, bias, target, stats, ent, d_input = ctx.saved_tensors
         if d_input is not None and d_ent is None:  # a frozen head: d_input holds each row's gradient for d_logp = 1
             dh = (d_input.float() * d_logp.float()[:, None]).to(hidden.dtype)
-            return dh, None, None, None, None, None, None, None
+            return dh, None, None, None, None, None, None, None, None
         empty = stats.new_empty(0)
         grads = _backward_op(d_logp.contiguous() if d_logp is not None else empty,
                              d_ent.contiguous() if d_ent is not None else empty, hidden, weight, bias, target, stats,
@@ -398,7 +400,7 @@ class _LinearLogProbsFunction(torch.autograd.Function):
         dh, dw, db = (g if w else None for g, w in zip(grads, want))
         if db is not None:
             db = db.to(ctx.bias_dtype)
-        return dh, dw, db, None, None, None, None, None
+        return dh, dw, db, None, None, None, None, None, None
 
 
 # 5. public function -------------------------------------------------------------------------------
@@ -472,8 +474,10 @@ def linear_log_probs(
     needs_grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (hidden, weight, bias))
     with torch.autocast(device_type, enabled=False):
         if needs_grad:
+            input_grad = hidden2.requires_grad and not weight.requires_grad and not (
+                bias is not None and bias.requires_grad)
             logp, _, ent, sq, mean, top1 = _LinearLogProbsFunction.apply(hidden2, weight, bias, target1, params,
-                                                                        wanted, dw_fp32, chunk_bytes)
+                                                                        wanted, dw_fp32, chunk_bytes, input_grad)
         else:  # nothing saved for a backward
             w, b, _ = _compute_operands(hidden2, weight, bias, dw_fp32)
             logp, _, ent, sq, mean, top1, _ = _forward_op(hidden2, w, b, target1, *params, *wanted, False,
