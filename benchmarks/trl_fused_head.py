@@ -8,8 +8,8 @@ memory of the head, after a check that both compute the same numbers.
 
 One process checks foak against TRL (every request, a few thousand tokens); then each variant (TRL, foak) runs
 in its own process per head size. Requests: what the trainers ask (DPO's and KTO's with a per-token gradient
-of the log-probs, GRPO's also differentiating the entropy with temperature 0.9, SFT's, a reference model's
-no-grad forward), each with the head trained (full fine-tuning) and frozen (LoRA). The gradient reaching the
+of the log-probs, GRPO's at temperature 0.9 with the entropy only logged (TRL's default) and with an entropy bonus
+that differentiates it, SFT's, a reference model's no-grad forward), each with the head trained (full fine-tuning) and frozen (LoRA). The gradient reaching the
 log-probs is random per token, except for SFT's request, whose loss is the mean of the log-probs (a uniform gradient,
 which foak's SFT path computes in the forward). ``--foak-chunks-mib 256 1024`` adds foak variants with other logits
 chunk budgets (foak's default: 512 MiB), ``--foak-forward-blocks 16384`` one whose forward row kernels all take that
@@ -32,7 +32,8 @@ import torch
 REQUESTS = {  # name: (outputs, temperature, differentiate the entropy, training)
     "dpo": (("log_probs", "entropy", "mean_logits", "is_top1"), 1.0, False, True),
     "kto": (("log_probs", "entropy", "mean_logits"), 1.0, False, True),
-    "grpo": (("log_probs", "entropy"), 0.9, True, True),
+    "grpo": (("log_probs", "entropy"), 0.9, False, True),  # TRL's default: entropy_coef 0
+    "grpo bonus": (("log_probs", "entropy"), 0.9, True, True),  # an entropy bonus differentiates the entropy
     "sft": (("log_probs", "entropy", "is_top1"), 1.0, False, True),
     "reference": (("log_probs",), 1.0, False, False),
 }
