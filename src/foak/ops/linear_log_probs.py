@@ -372,8 +372,7 @@ class _LinearLogProbsFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, hidden, weight, bias, target, params, wanted, dw_fp32, chunk_bytes, input_grad):
-        # input_grad: only hidden needs a gradient (decided by the caller from requires_grad: under torch.compile
-        # ctx.needs_input_grad is not known yet in the forward)
+        # input_grad: only hidden needs a gradient (the caller decides it from requires_grad)
         ctx.set_materialize_grads(False)  # an entropy only logged sends no zeros back
         ctx.params, ctx.dw_fp32, ctx.chunk_bytes = params, dw_fp32, chunk_bytes
         ctx.bias_dtype = bias.dtype if bias is not None else None
