@@ -7,6 +7,7 @@ import pytest
 import torch
 
 import foak.ops.linear_cross_entropy as lce_module
+import foak.ops.linear_log_probs as llp_module
 from foak.ops.linear_log_probs import OUTPUTS, linear_log_probs, linear_log_probs_reference
 from foak.testing import relative_error
 
@@ -96,7 +97,8 @@ def test_outputs_and_gradients_match_fp64(dtype, shape, transform):
 
 def test_vocabulary_in_several_blocks_and_rows_in_several_chunks(monkeypatch):
     # 3 blocks of 64 over a vocabulary of 150 in each row; 16 rows per chunk over 37 rows (11 with -100 below)
-    monkeypatch.setitem(__import__("foak.ops.linear_log_probs", fromlist=["TUNING"]).TUNING, "block", 64)
+    monkeypatch.setitem(llp_module.TUNING, "block", 64)
+    monkeypatch.setitem(llp_module.TUNING, "forward_blocks", (64,) * 4)
     monkeypatch.setitem(lce_module.TUNING, "chunk_rows", 16)
     check(37, 19, 150, torch.float32, True, TRANSFORMS[2])
 
@@ -254,7 +256,8 @@ def count_recomputes(monkeypatch):
 @pytest.mark.parametrize("entropy_grad", [False, True])
 def test_frozen_head_gradient_from_the_forward(monkeypatch, dtype, transform, entropy_grad):
     # 3 blocks of 64 over a vocabulary of 150, 16 rows per chunk over 37 rows (ignored rows among them)
-    monkeypatch.setitem(__import__("foak.ops.linear_log_probs", fromlist=["TUNING"]).TUNING, "block", 64)
+    monkeypatch.setitem(llp_module.TUNING, "block", 64)
+    monkeypatch.setitem(llp_module.TUNING, "forward_blocks", (64,) * 4)
     monkeypatch.setitem(lce_module.TUNING, "chunk_rows", 16)
     recomputes = count_recomputes(monkeypatch)
     hidden, weight, b, target = make_inputs(37, 19, 150, dtype, True)
