@@ -57,16 +57,16 @@ def _compile_case(case: str) -> dict:
                           BLOCK=config["BLOCK"])
         return dict(kernel=llp._backward_kernel, signature=signature, constexprs=constexprs, warps=config["num_warps"])
     rows, softcap, smoothing, forward = (bool(options[k]) for k in ("rows", "softcap", "smoothing", "forward"))
-    block = ce._row_block(VOCAB, ce._forward_pressure(rows, 30.0 if softcap else None, 0.1 * smoothing)
-                          if forward else 0)
+    config = ce._row_config(VOCAB, ce._forward_pressure(rows, 30.0 if softcap else None, 0.1 * smoothing)
+                            if forward else 0)
     signature = _signature(
         "LOGITS logits_stride TARGET GRAD grad_stride LOSS STATS ZLOSS ACC ENT DLOSS dloss_stride CLASS_W CLASS_W_SUM "
         "n_rows n_cols ignore_index label_smoothing lse_square_scale inv_scaling softcap",
         "*bf16 i32 *i64 *bf16 i32 *fp32 *fp32 *fp32 *fp32 *fp32 *fp32 i32 *fp32 *fp32 i32 i32 i32 fp32 fp32 fp32 fp32")
     constexprs = dict(HAS_SOFTCAP=softcap, HAS_SMOOTHING=smoothing, HAS_ZLOSS=smoothing, HAS_WEIGHT=smoothing,
-                      ROW_STATS=rows, FORWARD=forward, WRITE_GRAD=True, BLOCK=block)
+                      ROW_STATS=rows, FORWARD=forward, WRITE_GRAD=True, BLOCK=config["BLOCK"])
     return dict(kernel=ce._cross_entropy_kernel, signature=signature, constexprs=constexprs,
-                warps=min(ce.TUNING["warps"], max(4, block // 128)))
+                warps=config["num_warps"])
 
 
 def _stack_bytes(case: str, tmp: str) -> dict:

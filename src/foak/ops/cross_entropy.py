@@ -313,7 +313,7 @@ def ce_launch(logits, target, *, grad=None, dloss=None, stats=None, class_weight
         weight_sum = stats  # unused
     else:
         weight_sum = class_weight.sum(dtype=torch.float32) if class_weight_sum is None else class_weight_sum
-    block = _row_block(n_cols, _forward_pressure(row_stats, softcap, label_smoothing) if forward else 0)
+    config = _row_config(n_cols, _forward_pressure(row_stats, softcap, label_smoothing) if forward else 0)
     if n_rows:
         _cross_entropy_kernel[(_num_programs(logits.device, n_rows),)](
             logits, logits.stride(0), target, grad, grad.stride(0), loss, stats, z_loss,
@@ -322,8 +322,7 @@ def ce_launch(logits, target, *, grad=None, dloss=None, stats=None, class_weight
             n_rows, n_cols, ignore_index, float(label_smoothing), float(lse_square_scale), 1.0 / logits_scaling,
             float(softcap or 1.0),
             HAS_SOFTCAP=softcap is not None, HAS_SMOOTHING=label_smoothing > 0, HAS_ZLOSS=lse_square_scale > 0,
-            HAS_WEIGHT=has_weight, ROW_STATS=row_stats, FORWARD=forward, WRITE_GRAD=write_grad, BLOCK=block,
-            num_warps=min(TUNING["warps"], max(4, block // 128)),
+            HAS_WEIGHT=has_weight, ROW_STATS=row_stats, FORWARD=forward, WRITE_GRAD=write_grad, **config,
         )
     return loss, stats, z_loss, acc, ent
 
@@ -333,8 +332,10 @@ def _forward_pressure(row_stats: bool, softcap, label_smoothing: float) -> int:
     return 2 * bool(row_stats) + (softcap is not None) + (label_smoothing > 0)
 
 
-def _row_block(n_cols: int, pressure: int) -> int:
-    return min(TUNING["block_stats"] if pressure >= 2 else TUNING["block"], triton.next_power_of_2(n_cols))
+def _row_config(n_cols: int, pressure: int) -> dict:
+    """The row kernel's BLOCK and num_warps for rows of ``n_cols`` at a forward's register ``pressure``."""
+    block = min(TUNING["block_stats"] if pressure >= 2 else TUNING["block"], triton.next_power_of_2(n_cols))
+    return dict(BLOCK=block, num_warps=min(TUNING["warps"], max(4, block // 128)))
 
 
 @functools.cache

@@ -287,8 +287,7 @@ def _forward_op(
     extras = [torch.empty(n_valid if w else 0, **f32) for w in wanted]
     dummy = stats  # pointer for outputs not computed
     d_input = torch.zeros_like(hidden) if input_grad else hidden.new_empty(0)
-    unit = torch.ones(min(n_valid, _rows_per_chunk(weight.shape[0], hidden.element_size(), chunk_bytes)), **f32) \
-        if input_grad else None
+    unit = torch.ones(n_valid, **f32) if input_grad else None  # d log_probs = 1 for every scored row
     transform = _transform_args(temperature, logit_scale, softcap)
     pressure = _forward_pressure(entropy, log_sum_sq_probs, mean_logits, is_top1, softcap)
     for start, end, rows, _h, logits in _chunks(hidden, weight, bias, valid, chunk_bytes):
@@ -302,7 +301,8 @@ def _forward_op(
             HAS_MEAN=mean_logits, HAS_TOP1=is_top1, **_launch_config(logits.shape[1], pressure))
         if input_grad:  # the backward's logits gradient for d log_probs = 1, then its input projection
             _backward_kernel[(count,)](
-                logits, logits.stride(0), chunk_target, chunk_stats, dummy, unit, dummy, count, logits.shape[1],
+                logits, logits.stride(0), chunk_target, chunk_stats, dummy, unit[start:end], dummy, count,
+                logits.shape[1],
                 *transform, HAS_SOFTCAP=softcap is not None, HAS_D_LOGP=True, HAS_D_ENT=False,
                 **_launch_config(logits.shape[1]))
             d_input.index_copy_(0, rows, logits @ weight)
