@@ -106,5 +106,12 @@ def test_no_register_spills_on_sm90(usage, case):
 
 
 if __name__ == "__main__":
+    # python tests/test_register_spills.py DIR [--old-blocks]: the usage of each case as JSON (--old-blocks: every
+    # forward at 16384 columns, the launch configuration before the spill fix)
     sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "src"))
+    if "--old-blocks" in sys.argv:
+        import foak.ops.cross_entropy as ce
+        import foak.ops.linear_log_probs as llp
+
+        llp.TUNING["forward_blocks"], ce.TUNING["block_stats"] = (16384,) * 4, 16384
     print(json.dumps({case: _stack_bytes(case, sys.argv[1]) for case in CASES}))

@@ -43,9 +43,9 @@ REDUCTIONS = ("mean", "sum", "none")
 MAX_VOCAB = 1 << 20
 # Launch knobs, swept on the GPU by benchmarks/tune_ops.py ([8192, 128256] bf16 on the H200: one program
 # per row, blocks of 16384 with 32 warps and a per-lane logsumexp were fastest, 2.46 ms fwd+bwd). A forward
-# that keeps more per-lane state (row statistics: 2, softcap: 1, label smoothing: 1; 2 or more) spilled 120-560
-# bytes of registers per thread at 16384 on sm_90 (Triton 3.6 and 3.9): it takes "block_stats", which does not
-# (tests/test_register_spills.py).
+# that keeps more per-lane state (row statistics: 2, softcap: 1, label smoothing: 1; 2 or more) spilled 120-370
+# bytes of registers per thread at 16384 on sm_90 (Triton 3.6 and 3.9): it takes "block_stats", which spills at
+# most 8 (tests/test_register_spills.py; benchmarks/results/register_spills_sm90.log).
 TUNING = {"block": 16384, "block_stats": 8192, "warps": 32, "programs_per_sm": 0}
 
 

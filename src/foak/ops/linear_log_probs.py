@@ -214,7 +214,8 @@ def _backward_kernel(
 # forward keeps per-lane state for each requested statistic; "forward_blocks"[p] is its block for a register
 # pressure p = statistics requested + softcap (capped at 3): at 32 warps these are the largest blocks that do not
 # spill registers on sm_90 with Triton 3.6 and 3.9 (16384 spilled 240 bytes per thread for DPO's request, 120 for a
-# softcapped reference forward; tests/test_register_spills.py compiles them).
+# softcapped reference forward; tests/test_register_spills.py compiles them, figures in
+# benchmarks/results/register_spills_sm90.log).
 TUNING = {"block": 16384, "warps": 32, "forward_blocks": (16384, 8192, 8192, 4096)}
 
 
