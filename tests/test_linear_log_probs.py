@@ -323,3 +323,15 @@ def test_frozen_head_under_torch_compile_matches_eager():
     want = torch.autograd.grad(step(h), h)[0]
     got = torch.autograd.grad(torch.compile(step, backend="aot_eager", fullgraph=True)(h), h)[0]
     assert relative_error(got, want) < 1e-5
+
+
+def test_frozen_head_fp16_with_a_grad_scaler_factor():
+    # fp16 + GradScaler: the incoming gradient carries the loss scale (2**12 here: the largest gradient stays in
+    # fp16's range) and a tiny unscaled loss (2**-14: its gradient alone would be subnormal in fp16); the row
+    # gradient is scaled in fp32 and rounded to fp16 once
+    hidden, weight, b, target = make_inputs(37, 19, 150, torch.float16, True)
+    d = torch.randn(37, generator=torch.Generator().manual_seed(3)) * 2**-14 * 2**12
+    _, dh = frozen_run(hidden, weight, b, target, d, None, entropy=True)
+    _, ref = frozen_run(hidden, weight, b, target, d.double(), None,
+                        fn=lambda h, w, t, bias, **k: fp64_outputs(h, w, t, bias, 1.0, 1.0, None))
+    assert dh.dtype == torch.float16 and torch.isfinite(dh).all() and relative_error(dh, ref) < 2e-3
