@@ -98,7 +98,7 @@ def one_run(trainer_name: str, model_name: str, mode: str, variant: str, kind: s
     import trl
     from trl.kernels.chunked_logprob import ChunkedLogProbFunction
 
-    from foak.bench.measure import peak_memory, reset_peak_memory
+    from foak.bench.measure import kernel_times, peak_memory, reset_peak_memory
     from foak.data import DEFAULT_CHARS, char_tokenizer
 
     device = "cpu" if kind == "smoke" else "cuda"
@@ -167,7 +167,7 @@ def one_run(trainer_name: str, model_name: str, mode: str, variant: str, kind: s
                 torch.cuda.synchronize()
             if self.profiler is not None:
                 self.profiler.__exit__(None, None, None)
-                kernels.extend(_kernel_table(self.profiler, device))
+                kernels.extend(kernel_times(self.profiler, cpu=device != "cuda"))
                 self.profiler = None
                 return
             step_times.append(time.perf_counter() - self.t0)
@@ -239,18 +239,6 @@ def one_run(trainer_name: str, model_name: str, mode: str, variant: str, kind: s
         record[f"foak_fallback_{role}"] = sum(fallback)
         record[f"report_{role}"] = str(report)
     return record
-
-
-def _kernel_table(profiler, device: str, top: int = 40) -> list[dict]:
-    """The profiled step's kernels (CUDA) or ops (CPU), device time summed per name, largest first."""
-    rows = []
-    for event in profiler.key_averages():
-        us = getattr(event, "self_device_time_total", None) if device == "cuda" else event.self_cpu_time_total
-        if us:
-            rows.append({"name": event.key[:120], "calls": event.count, "ms": us / 1e3})
-    rows.sort(key=lambda r: -r["ms"])
-    total = sum(r["ms"] for r in rows)
-    return [{"name": "(total)", "calls": sum(r["calls"] for r in rows), "ms": total}] + rows[:top]
 
 
 # counts of comparisons between near-equal numbers (DPO's step 1: policy == reference, every reward ~0): they flip

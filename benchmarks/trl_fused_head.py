@@ -9,12 +9,14 @@ memory of the head, after a check that both compute the same numbers.
 One process checks foak against TRL (every request, a few thousand tokens); then each variant (TRL, foak) runs
 in its own process per head size. Requests: what the trainers ask (DPO's and KTO's with a per-token gradient
 of the log-probs, GRPO's at temperature 0.9 with the entropy only logged (TRL's default) and with an entropy bonus
-that differentiates it, SFT's, a reference model's no-grad forward), each with the head trained (full fine-tuning) and frozen (LoRA). The gradient reaching the
-log-probs is random per token, except for SFT's request, whose loss is the mean of the log-probs (a uniform gradient,
-which foak's SFT path computes in the forward). ``--foak-chunks-mib 256 1024`` adds foak variants with other logits
-chunk budgets (foak's default: 512 MiB), ``--foak-forward-blocks 16384`` one whose forward row kernels all take that
-block (foak's default shrinks it as more statistics are requested); ``--profile`` adds each variant's kernels
-(device time per name) for the DPO requests. Writes DIR/trl_fused_head.json; prints a markdown table last; exits 1 if a check failed.
+that differentiates it, SFT's, a reference model's no-grad forward), each with the head trained (full fine-tuning)
+and frozen (LoRA). The gradient reaching the log-probs is random per token, except for SFT's request, whose loss is
+the mean of the log-probs (a uniform gradient, which foak's SFT path computes in the forward).
+``--foak-chunks-mib 256 1024`` adds foak variants with other logits chunk budgets (foak's default: 512 MiB),
+``--foak-forward-blocks 16384`` one whose forward row kernels all take that block (foak's default shrinks it as
+more statistics are requested); ``--profile`` adds each variant's kernels
+(device time per name) for the DPO requests. Writes DIR/trl_fused_head.json; prints a markdown table last; exits
+1 if a check failed.
 """
 
 from __future__ import annotations
@@ -162,14 +164,13 @@ def measure(args, shapes, variant, size) -> dict:
 
 
 def kernel_table(run, top: int = 12) -> list:
-    """One call of ``run`` under torch.profiler: [name, calls, device ms] per kernel name, largest first."""
+    """One call of ``run`` under torch.profiler: its kernels' device time per name, largest first."""
+    from foak.bench.measure import kernel_times
+
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
         run()
         torch.cuda.synchronize()
-    rows = [(e.key[:100], e.count, e.self_device_time_total / 1e3) for e in prof.key_averages()
-            if e.self_device_time_total]
-    rows.sort(key=lambda r: -r[2])
-    return [("(total)", sum(r[1] for r in rows), sum(r[2] for r in rows))] + rows[:top]
+    return kernel_times(prof, top)
 
 
 def main() -> int:
@@ -219,8 +220,8 @@ def main() -> int:
     for size in shapes["sizes"]:
         for variant in variants:
             for name, row in timings[f"{variant}:{size}"].items():
-                for kernel, calls, ms in row.get("kernels", []) if isinstance(row, dict) else []:
-                    print(f"kernels {size} {variant} {name} | {kernel} | {calls} | {ms:.2f}")
+                for k in row.get("kernels", []) if isinstance(row, dict) else []:
+                    print(f"kernels {size} {variant} {name} | {k['name']} | {k['calls']} | {k['ms']:.2f}")
     others = variants[1:]
     print("| size | request | TRL | " + " | ".join(others) + " | speed-up (TRL ms / foak ms) |")
     print("|---|---|---|" + "---|" * len(others) + "---|")

@@ -344,3 +344,21 @@ def test_longest_context_table_per_framework():
     assert len(ids) == 36 and len({i.split("/")[2] for i in ids}) == 9  # 4 frameworks x 9 lengths
     long = load_scenario("long-context").framework("foak-long")
     assert long.switches["offload_activations"] and long.switches["tiled_mlp"]
+
+
+def test_kernel_times_sums_self_time_per_name_largest_first():
+    import torch
+
+    from foak.bench.measure import kernel_times
+
+    a = torch.randn(64, 64)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        for _ in range(3):
+            a @ a
+        a + a
+    rows = kernel_times(prof, top=5, cpu=True)
+    assert rows[0]["name"] == "(total)" and len(rows) <= 6
+    assert [r["ms"] for r in rows[1:]] == sorted((r["ms"] for r in rows[1:]), reverse=True)
+    mm = next(r for r in rows if r["name"] == "aten::mm")
+    assert mm["calls"] == 3 and rows[0]["ms"] >= sum(r["ms"] for r in rows[1:]) - 1e-9
+    assert kernel_times(prof) == [{"name": "(total)", "calls": 0, "ms": 0}]  # no device kernels on the CPU

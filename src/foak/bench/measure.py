@@ -141,6 +141,19 @@ def relative_spread(values) -> float:
 
 
 # ---- memory ----------------------------------------------------------------------------------------------
+def kernel_times(profiler, top: int = 40, cpu: bool = False) -> list[dict]:
+    """A finished torch.profiler run's kernels (``cpu``: CPU ops instead), self time summed per name, largest
+    first, as ``{"name", "calls", "ms"}`` rows after a ``(total)`` row."""
+    rows = []
+    for event in profiler.key_averages():
+        us = event.self_cpu_time_total if cpu else event.self_device_time_total
+        if us:
+            rows.append({"name": event.key[:120], "calls": event.count, "ms": us / 1e3})
+    rows.sort(key=lambda r: -r["ms"])
+    total = {"name": "(total)", "calls": sum(r["calls"] for r in rows), "ms": sum(r["ms"] for r in rows)}
+    return [total] + rows[:top]
+
+
 def reset_peak_memory(device: torch.device | str) -> None:
     if torch.device(device).type == "cuda":
         torch.cuda.synchronize()
