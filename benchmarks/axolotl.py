@@ -26,7 +26,9 @@ JSON under --out; the table last.
 The GPU image has torch 2.11 / transformers 5.17 / peft / accelerate 1.15 and no axolotl: carry the wheels that
 --print-wheels lists (about 43 MB: axolotl 0.21.0, transformers 5.20.1, trl 1.14.1, datasets 5.0.1, liger-kernel
 0.8.4, wandb 0.31.0, pydantic 2.13.5, ...) in .wheels, install them with --target and put that first on PYTHONPATH
-(docs/axolotl.md).
+(docs/axolotl.md). axolotl imports bitsandbytes even for LoRA: install the base set's wheel
+(`benchmarks/wheels.py base`) into the same folder too, in a call of its own (the two sets exceed one call's
+64 MiB carry).
 """
 
 from __future__ import annotations
@@ -76,13 +78,42 @@ def _sync():
         torch.cuda.synchronize()
 
 
+_PEAK = [0]
+
+
+def _fold_peak():
+    if torch.cuda.is_available():
+        _PEAK[0] = max(_PEAK[0], torch.cuda.max_memory_allocated())
+
+
+# something in the trainer resets CUDA's peak statistics during training (the first H200 run read only the weights
+# at on_train_end): fold the peak in before every reset, and at every step's end
+_reset = torch.cuda.reset_peak_memory_stats
+
+
+def _folding_reset(*args, **kwargs):
+    _fold_peak()
+    return _reset(*args, **kwargs)
+
+
+torch.cuda.reset_peak_memory_stats = _folding_reset
+
+
+def _peak_gib():
+    if not torch.cuda.is_available():
+        return None
+    _fold_peak()
+    return _PEAK[0] / 2**30
+
+
 class _Probe(TrainerCallback):
     def __init__(self, cfg):
         self.cfg, self.steps, self.logs, self.t0 = cfg, [], [], None
 
     def on_train_begin(self, args, state, control, **kwargs):
         if torch.cuda.is_available():
-            torch.cuda.reset_peak_memory_stats()
+            _reset()
+            _PEAK[0] = 0
 
     def on_step_begin(self, args, state, control, **kwargs):
         _sync()
@@ -91,6 +122,7 @@ class _Probe(TrainerCallback):
     def on_step_end(self, args, state, control, **kwargs):
         _sync()
         self.steps.append(time.perf_counter() - self.t0)
+        _fold_peak()
 
     def on_log(self, args, state, control, logs=None, **kwargs):
         self.logs.append({k: v for k, v in (logs or {}).items() if isinstance(v, (int, float, str))})
@@ -109,7 +141,7 @@ class _Probe(TrainerCallback):
         out = {
             "step_seconds": self.steps, "logs": self.logs,
             "fsdp_units": fsdp_units,
-            "peak_allocated_gib": torch.cuda.max_memory_allocated() / 2**30 if torch.cuda.is_available() else None,
+            "peak_allocated_gib": _peak_gib(),
             "cfg": {k: (v if isinstance(v, (bool, int, float, str, type(None))) else str(v))
                     for k, v in self.cfg.items() if k.startswith(("lora_", "liger_", "sample_packing", "fsdp"))},
             "foak_report": str(report) if report is not None else None,
@@ -306,6 +338,8 @@ def main() -> int:
               + " -d .wheels " + " ".join(w for w in DEVICE_WHEELS if not w.startswith("axolotl-contribs")))
         print("python3 -m pip wheel --no-deps -w .wheels axolotl-contribs-lgpl==0.0.7 axolotl-contribs-mit==0.0.6"
               "   # source-only on the index: built here (pure Python)")
+        print("# and bitsandbytes (axolotl imports it even for LoRA): the base set's wheel (benchmarks/wheels.py base),"
+              " installed into the same --target folder in a call of its own (both sets exceed one call's carry)")
         return 0
     defaults = dict(seq=128, batch=2, steps=2, warmup=1) if args.tiny else dict(seq=4096, batch=2, steps=10, warmup=3)
     for key, value in defaults.items():
