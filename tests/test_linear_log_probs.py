@@ -225,7 +225,8 @@ def test_custom_ops_pass_opcheck(case):
     if case.startswith("forward"):
         wanted = (True, True, True, True) if case == "forward all" else (False, False, False, False)
         input_grad = case == "forward all"
-        op, args = ops.linear_log_probs_forward, (hidden, head, bias, target, *transform, *wanted, input_grad, None)
+        op, args = ops.linear_log_probs_forward, (hidden, head, bias, target, *transform, *wanted, input_grad,
+                                                  input_grad, None)
     else:
         d_logp = torch.randn(7) if case == "backward" else torch.empty(0)
         op, args = ops.linear_log_probs_backward, (d_logp, torch.randn(7), hidden, head, None, target,
@@ -254,7 +255,8 @@ def count_recomputes(monkeypatch):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("transform", TRANSFORMS)
 @pytest.mark.parametrize("entropy_grad", [False, True])
-def test_frozen_head_gradient_from_the_forward(monkeypatch, dtype, transform, entropy_grad):
+@pytest.mark.parametrize("hint", [False, True])
+def test_frozen_head_gradient_from_the_forward(monkeypatch, dtype, transform, entropy_grad, hint):
     # 3 blocks of 64 over a vocabulary of 150, 16 rows per chunk over 37 rows (ignored rows among them)
     monkeypatch.setitem(llp_module.TUNING, "block", 64)
     monkeypatch.setitem(llp_module.TUNING, "forward_blocks", (64,) * 4)
@@ -264,8 +266,10 @@ def test_frozen_head_gradient_from_the_forward(monkeypatch, dtype, transform, en
     g = torch.Generator().manual_seed(5)
     d_logp, d_ent = torch.randn(37, generator=g), (torch.randn(37, generator=g) if entropy_grad else None)
     options = dict(zip(("temperature", "logit_scale", "softcap"), transform))
-    out, dh = frozen_run(hidden, weight, b, target, d_logp, d_ent, entropy=True, is_top1=True, **options)
-    assert len(recomputes) == (1 if entropy_grad else 0)  # no recomputed logits unless the entropy needs them
+    out, dh = frozen_run(hidden, weight, b, target, d_logp, d_ent, entropy=True, is_top1=True, entropy_grad=hint,
+                         **options)
+    # no recomputed logits unless the entropy needs them and the forward was not told (entropy_grad)
+    assert len(recomputes) == (1 if entropy_grad and not hint else 0)
     ref, ref_dh = frozen_run(hidden, weight, b, target, d_logp.double(), d_ent.double() if entropy_grad else None,
                              fn=lambda h, w, t, bias, **k: fp64_outputs(h, w, t, bias, *transform))
     tol = TOL[dtype]
@@ -300,13 +304,30 @@ def test_frozen_head_under_autocast_and_an_fp32_head_over_bf16_weights(monkeypat
     assert recomputes == []
 
 
-def test_frozen_head_keeps_one_row_gradient_and_no_logits():
+@pytest.mark.parametrize("hint", [False, True])
+def test_frozen_head_keeps_one_row_gradient_and_no_logits(hint):
     hidden, weight, b, target = make_inputs(37, 33, 129, torch.float32, True)
     saved = []
     with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(tuple(t.shape)) or t, lambda t: t):
-        linear_log_probs(hidden.clone().requires_grad_(), weight, target, b, **ALL)
-    assert saved.count((37, 33)) == 2  # hidden and its d log_probs / d hidden
+        linear_log_probs(hidden.clone().requires_grad_(), weight, target, b, **ALL, entropy_grad=hint)
+    # hidden and its d log_probs / d hidden (and d entropy / d hidden with the hint)
+    assert saved.count((37, 33)) == (3 if hint else 2)
     assert all(math.prod(s) < 37 * 129 for s in saved)  # no [N, V] tensor
+
+
+def test_entropy_grad_hint_needs_the_entropy_and_is_ignored_for_a_trained_head(monkeypatch):
+    hidden, weight, b, target = make_inputs(9, 8, 40, torch.float32, True)
+    with pytest.raises(ValueError, match="entropy_grad=True needs entropy=True"):
+        linear_log_probs(hidden, weight, target, b, entropy_grad=True)
+    recomputes = count_recomputes(monkeypatch)
+    leaves = [hidden.clone().requires_grad_(), weight.clone().requires_grad_()]
+    out = linear_log_probs(*leaves, target, b, entropy=True, entropy_grad=True)
+    got = torch.autograd.grad((out.log_probs + out.entropy).sum(), leaves)
+    ref_leaves = [t.detach().double().requires_grad_() for t in leaves]
+    ref = linear_log_probs_reference(*ref_leaves, target, b.double(), entropy=True)
+    want = torch.autograd.grad((ref.log_probs + ref.entropy).sum(), ref_leaves)
+    assert len(recomputes) == 1  # a trained head: the recomputing backward, as without the hint
+    assert all(relative_error(g, w) < 1e-5 for g, w in zip(got, want))
 
 
 def test_frozen_head_under_torch_compile_matches_eager():

@@ -19,7 +19,7 @@ MAX_STACK_BYTES = 8
 REQUESTS = {"all": (1, 1, 1, 1), "dpo": (1, 0, 1, 1), "kto": (1, 0, 1, 0), "grpo": (1, 0, 0, 0), "ref": (0, 0, 0, 0)}
 CASES = (
     [f"llp_forward {name} softcap={cap}" for name in REQUESTS for cap in (0, 1)]
-    + ["llp_backward d_logp", "llp_backward d_logp d_ent softcap"]
+    + ["llp_backward d_logp", "llp_backward d_ent", "llp_backward d_logp d_ent softcap"]
     # (row statistics, softcap, label smoothing with class weights and z-loss) of a forward that also writes the
     # gradient (the fused loss's path), and the backward alone
     + [f"ce rows={r} softcap={c} smoothing={s} forward={f}"
@@ -51,8 +51,8 @@ def _compile_case(case: str) -> dict:
     if words[0] == "llp_backward":
         config = llp._launch_config(VOCAB)
         signature = _signature(
-            "LOGITS logits_stride TARGET STATS ENT D_LOGP D_ENT n_rows n_cols logit_scale softcap inv_temperature",
-            "*bf16 i32 *i64 *fp32 *fp32 *fp32 *fp32 i32 i32 fp32 fp32 fp32")
+            "LOGITS logits_stride OUT out_stride TARGET STATS ENT D_LOGP D_ENT n_rows n_cols logit_scale softcap "
+            "inv_temperature", "*bf16 i32 *bf16 i32 *i64 *fp32 *fp32 *fp32 *fp32 i32 i32 fp32 fp32 fp32")
         constexprs = dict(HAS_SOFTCAP="softcap" in words, HAS_D_LOGP="d_logp" in words, HAS_D_ENT="d_ent" in words,
                           BLOCK=config["BLOCK"])
         return dict(kernel=llp._backward_kernel, signature=signature, constexprs=constexprs, warps=config["num_warps"])

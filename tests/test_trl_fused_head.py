@@ -425,3 +425,30 @@ def test_a_fast_loss_model_says_that_trls_fused_head_ran_trls_kernel(calls):
     assert row.notes == ("foak cross_entropy ran 1 call; TRL's own kernel ran 1 call: TRL's fused LM head computes the "
                          "loss from the hidden states and never calls the model's loss_function, so fast_loss's "
                          "cross_entropy did not run; set fused_linear_loss (instead of fast_loss) for foak to serve it")
+
+
+def test_an_entropy_bonus_on_a_frozen_head_is_learned_after_one_step(calls, monkeypatch):
+    # GRPO with entropy_coef != 0 on a LoRA policy: the head is frozen and the entropy is differentiated. The first
+    # call takes the recomputing backward; the head then knows, and later forwards compute the entropy's gradient
+    # too (no recomputed logits), with the same gradients as TRL's kernel
+    recomputes, backward = [], llp_module._backward_op
+    monkeypatch.setattr(llp_module, "_backward_op", lambda *a: recomputes.append(1) or backward(*a))
+    model, report = _head()
+    weight = model.lm_head.weight.requires_grad_(False)
+    hidden, targets = _inputs(weight, None)
+    g = torch.Generator().manual_seed(1)
+    d_logp, d_ent = torch.randn(N, generator=g), torch.randn(N, generator=g)
+
+    def step(function):
+        h = hidden.detach().clone().requires_grad_()
+        out = function.apply(h, weight, None, targets, 0.7, TRL_CHUNK, None, 1.3, REQUESTS["grpo_rloo"])
+        return out, torch.autograd.grad((out[0] * d_logp).sum() + (out[1] * d_ent).sum(), h)[0]
+
+    want, want_dh = step(ChunkedLogProbFunction)
+    for _ in range(3):
+        got, dh = step(trl_utils._ChunkedLogProbFunction)
+        assert len(recomputes) == 1  # the first call only
+        assert relative_error(got[0], want[0]) < 1e-5 and relative_error(got[1], want[1]) < 1e-5
+        assert relative_error(dh, want_dh) < 1e-5
+    assert "the entropy received a gradient" in report.result("llama.fused_linear_loss").notes
+    assert calls["linear_log_probs"] == 3 and calls["trl"] == 1

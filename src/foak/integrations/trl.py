@@ -64,6 +64,9 @@ class _Head:
         self.serve = serve  # False: a fast_loss row, which only counts TRL's calls (see watch_trl_fused_head)
         self.served = 0
         self.fallbacks: dict[str, int] = {}  # reason -> calls
+        # set once an entropy this head returned received a gradient (TRL's GRPO entropy bonus: constant for a run);
+        # from then on a frozen head's forward computes the entropy's d/d hidden too (linear_log_probs entropy_grad)
+        self.entropy_differentiated = False
 
     def owns(self, module, weight) -> bool:
         """Whether ``weight`` is this head's: the patched lm_head's, or that of a trainable copy PEFT made of it
@@ -77,6 +80,12 @@ class _Head:
 
     def chunk_bytes_for(self, weight) -> int | None:
         return self.chunk_bytes(weight) if callable(self.chunk_bytes) else self.chunk_bytes
+
+    def saw_entropy_gradient(self, _grad) -> None:
+        if not self.entropy_differentiated:
+            self.entropy_differentiated = True
+            self.result.note_runtime("trl entropy", "the entropy received a gradient (an entropy bonus): its "
+                                     "d/d hidden is computed in the forward from the next call on")
 
     def count_served(self) -> None:
         self.served += 1
@@ -290,7 +299,13 @@ class _FoakChunkedLogProb:
         else:
             wanted = {name: name in outputs for name in llp.OUTPUTS[1:]}
             result = tuple(llp.linear_log_probs(hidden, weight, targets, bias, **options, **wanted,
-                                                chunk_bytes=head.chunk_bytes_for(weight)))
+                                                chunk_bytes=head.chunk_bytes_for(weight),
+                                                entropy_grad=wanted["entropy"] and head.entropy_differentiated))
+            entropy = result[1]
+            frozen = not weight.requires_grad and not (bias is not None and bias.requires_grad)
+            if frozen and entropy is not None and entropy.requires_grad and not head.entropy_differentiated and not (
+                    torch.compiler.is_compiling()):
+                entropy.register_hook(head.saw_entropy_gradient)
         head.count_served()
         return result
 
