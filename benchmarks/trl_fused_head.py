@@ -15,7 +15,7 @@ the mean of the log-probs (a uniform gradient, which foak's SFT path computes in
 ``--foak-chunks-mib 256 1024`` adds foak variants with other logits chunk budgets (foak's default: 512 MiB),
 ``--foak-forward-blocks 16384`` one whose forward row kernels all take that block (foak's default shrinks it as
 more statistics are requested); ``--profile`` adds each variant's kernels
-(device time per name) for the DPO requests. Writes DIR/trl_fused_head.json; prints a markdown table last; exits
+(device time per name) for the DPO, GRPO-bonus and reference requests. Writes DIR/trl_fused_head.json; prints a markdown table last; exits
 1 if a check failed.
 """
 
@@ -39,6 +39,7 @@ REQUESTS = {  # name: (outputs, temperature, differentiate the entropy, training
     "sft": (("log_probs", "entropy", "is_top1"), 1.0, False, True),
     "reference": (("log_probs",), 1.0, False, False),
 }
+PROFILED = ("dpo", "grpo bonus", "reference")  # the requests --profile records kernels for
 SIZES = {"1b": 2048, "8b": 4096}
 VOCAB, TOKENS, CHECK_TOKENS = 128256, 8192, 2048
 SMOKE = dict(vocab=301, tokens=64, check_tokens=37, sizes={"tiny": 64})
@@ -158,7 +159,7 @@ def measure(args, shapes, variant, size) -> dict:
                 ms = (time.perf_counter() - t0) * 1e3
             name = f"{request}{' lora' if frozen and REQUESTS[request][3] else ''}"
             rows[name] = {"ms": ms, "peak_mib": peak}
-            if args.profile and request == "dpo" and device == "cuda":
+            if args.profile and request in PROFILED and device == "cuda":
                 rows[name]["kernels"] = kernel_table(run)
     return rows
 
@@ -183,7 +184,7 @@ def main() -> int:
     parser.add_argument("--foak-forward-blocks", type=int, nargs="*", default=[],
                         help="more foak variants, each with this block for every forward row kernel (foak's default "
                              "depends on the statistics requested)")
-    parser.add_argument("--profile", action="store_true", help="each variant's kernels for the DPO requests")
+    parser.add_argument("--profile", action="store_true", help=f"each variant's kernels for {', '.join(PROFILED)}")
     parser.add_argument("--child", help=argparse.SUPPRESS)  # "check" or "VARIANT:SIZE"
     args = parser.parse_args()
     shapes = SMOKE if args.cpu_smoke else dict(vocab=VOCAB, tokens=TOKENS, check_tokens=CHECK_TOKENS, sizes=SIZES)
