@@ -329,12 +329,14 @@ def fp64_gradients(ref: nn.Module, batch: dict) -> dict:
 def assert_grads_close(grads: dict, ref_grads: dict, what: str, exact=None):
     """Every gradient within TOL of the unpatched model's; with ``exact()`` (the unpatched model's fp64
     gradients, computed when first needed), one that misses it passes when it is no farther from the fp64
-    gradient than FP64_ARBITER_FACTOR x the unpatched fp32 one is (foak verify's arbiter), for at most a quarter
-    of the parameters."""
+    gradient than FP64_ARBITER_FACTOR x the unpatched fp32 one is (foak verify's arbiter). Where the unpatched
+    fp32 gradient is itself accurate (within TOL / 2 of fp64), at most a quarter of the parameters may need the
+    arbiter; where it is not, its own rounding is of TOL's order and varies with the CPU's BLAS kernels (Gemma-4's
+    padded LoRA step: 13 of 50 gradients off fp64 by 7e-6 to 5e-5 on an AVX2 EPYC, fewer elsewhere)."""
     from foak.verify import FP64_ARBITER_FACTOR
 
     assert grads.keys() == ref_grads.keys()
-    compared = arbitrated = 0
+    compared = arbitrated = 0  # arbitrated: where the fp32 reference was accurate
     grads64 = None
     for name, g in grads.items():
         r = ref_grads[name]
@@ -344,9 +346,9 @@ def assert_grads_close(grads: dict, ref_grads: dict, what: str, exact=None):
         if exact is not None and relative_error(g, r) > TOL:
             grads64 = exact() if grads64 is None else grads64
             g64 = grads64[name].float()
-            assert_close(g, g64, f"{what}: grad of {name} vs fp64",
-                         tol=FP64_ARBITER_FACTOR * max(relative_error(r, g64), TOL))
-            arbitrated += 1
+            own = relative_error(r, g64)
+            assert_close(g, g64, f"{what}: grad of {name} vs fp64", tol=FP64_ARBITER_FACTOR * max(own, TOL))
+            arbitrated += own < TOL / 2
         else:
             assert_close(g, r, f"{what}: grad of {name}")
         compared += 1
