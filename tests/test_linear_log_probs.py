@@ -254,8 +254,7 @@ def count_recomputes(monkeypatch):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("transform", TRANSFORMS)
-@pytest.mark.parametrize("entropy_grad", [False, True])
-@pytest.mark.parametrize("hint", [False, True])
+@pytest.mark.parametrize("entropy_grad, hint", [(False, False), (True, False), (True, True)])
 def test_frozen_head_gradient_from_the_forward(monkeypatch, dtype, transform, entropy_grad, hint):
     # 3 blocks of 64 over a vocabulary of 150, 16 rows per chunk over 37 rows (ignored rows among them)
     monkeypatch.setitem(llp_module.TUNING, "block", 64)
@@ -313,6 +312,17 @@ def test_frozen_head_keeps_one_row_gradient_and_no_logits(hint):
     # hidden and its d log_probs / d hidden (and d entropy / d hidden with the hint)
     assert saved.count((37, 33)) == (3 if hint else 2)
     assert all(math.prod(s) < 37 * 129 for s in saved)  # no [N, V] tensor
+
+
+def test_entropy_grad_hint_without_an_entropy_gradient(monkeypatch):
+    # the hint was wrong (the entropy is only logged): the forward's log_probs row gradient alone is used
+    recomputes = count_recomputes(monkeypatch)
+    hidden, weight, b, target = make_inputs(37, 19, 150, torch.float32, True)
+    d = torch.randn(37, generator=torch.Generator().manual_seed(4))
+    _, dh = frozen_run(hidden, weight, b, target, d, None, entropy=True, entropy_grad=True)
+    _, ref = frozen_run(hidden, weight, b, target, d.double(), None,
+                        fn=lambda h, w, t, bias, **k: fp64_outputs(h, w, t, bias, 1.0, 1.0, None))
+    assert recomputes == [] and relative_error(dh, ref) < 1e-5
 
 
 def test_entropy_grad_hint_needs_the_entropy_and_is_ignored_for_a_trained_head(monkeypatch):
