@@ -419,11 +419,11 @@ class _LinearLogProbsFunction(torch.autograd.Function):
         hidden, weight, bias, target, stats, ent, d_input, d_input_ent = ctx.saved_tensors
         if d_input is not None and (d_ent is None or d_input_ent is not None):
             # a frozen head: d_input (d_input_ent) holds each row's gradient for d_logp = 1 (d_ent = 1)
-            dh = torch.zeros(hidden.shape, dtype=torch.float32, device=hidden.device)
-            if d_logp is not None:
-                dh.addcmul_(d_input.float(), d_logp.float()[:, None])
-            if d_ent is not None:
-                dh.addcmul_(d_input_ent.float(), d_ent.float()[:, None])
+            dh = None
+            for row_grad, d in ((d_input, d_logp), (d_input_ent, d_ent)):
+                if d is not None:
+                    term = row_grad.float() * d.float()[:, None]
+                    dh = term if dh is None else dh.add_(term)
             return dh.to(hidden.dtype), None, None, None, None, None, None, None, None, None
         empty = stats.new_empty(0)
         grads = _backward_op(d_logp.contiguous() if d_logp is not None else empty,
