@@ -252,9 +252,15 @@ def count_recomputes(monkeypatch):
     return calls
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("transform", TRANSFORMS)
-@pytest.mark.parametrize("entropy_grad, hint", [(False, False), (True, False), (True, True)])
+# each (entropy gradient, hint) pair in both dtypes and with the softcap; each transform with and without an entropy
+# gradient (7 of the 18 combinations: CI time)
+FROZEN_CASES = [(False, False, 0, torch.float32), (False, False, 2, torch.bfloat16),
+                (True, False, 1, torch.bfloat16), (True, False, 2, torch.float32),
+                (True, True, 0, torch.bfloat16), (True, True, 1, torch.float32), (True, True, 2, torch.bfloat16)]
+
+
+@pytest.mark.parametrize("entropy_grad, hint, transform, dtype",
+                         [(e, h, TRANSFORMS[t], d) for e, h, t, d in FROZEN_CASES])
 def test_frozen_head_gradient_from_the_forward(monkeypatch, dtype, transform, entropy_grad, hint):
     # 3 blocks of 64 over a vocabulary of 150, 16 rows per chunk over 37 rows (ignored rows among them)
     monkeypatch.setitem(llp_module.TUNING, "block", 64)

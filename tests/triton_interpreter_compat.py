@@ -6,9 +6,17 @@ CPU and disagree with torch's own bf16 arithmetic. This module replaces that one
 conversion (round to nearest even), and makes ``tl.dot`` on bf16 operands multiply their values (the stock
 interpreter multiplies the raw uint16 bit patterns). It touches the interpreter's private internals, so it is pinned to
 the triton version of the test requirements, applied only when the interpreter is on, and never on a GPU.
+
+One change is for speed only: the stock interpreter re-patches ``triton.language`` (``_patch_lang``: every builtin of
+tl, tl.tensor and tl.math, found by ``inspect.getmembers``) at each call of a ``@triton.jit`` helper from inside a
+kernel, although the kernel's launch has already patched those modules and keeps them patched until it ends; about a
+third of the suite's interpreter time went there. Inside a running launch, a helper whose language modules are
+already patched is called without patching them again (the same functions run either way).
 """
 
 from __future__ import annotations
+
+import inspect
 
 import numpy as np
 import torch
@@ -58,3 +66,41 @@ def install() -> None:
         return original_dot(self, a, b, d, input_precision, max_num_imprecise_acc)
 
     builder.create_dot = create_dot
+    _patch_lang_once_per_launch(interpreter)
+
+
+def _lang_modules(fn) -> frozenset:
+    return frozenset(id(v) for v in fn.__globals__.values() if inspect.ismodule(v) and v in (tl, tl.core))
+
+
+class _PoppingScope:
+    """The launch's patch scope; its restore (at the end of the launch) also forgets the patched modules."""
+
+    def __init__(self, scope, active: list):
+        self._scope, self._active = scope, active
+
+    def restore(self) -> None:
+        self._active.pop()
+        self._scope.restore()
+
+
+class _NoScope:
+    def restore(self) -> None:
+        pass
+
+
+def _patch_lang_once_per_launch(interpreter) -> None:
+    active: list[frozenset] = []  # the language modules patched by each running launch (innermost last)
+    original = interpreter._patch_lang
+
+    def patch_lang(fn):
+        langs = _lang_modules(fn)
+        if not active:  # a launch (helpers are called only inside one): patched until its scope is restored
+            scope = original(fn)
+            active.append(langs)
+            return _PoppingScope(scope, active)
+        if langs <= active[-1]:
+            return _NoScope()  # a helper inside a launch that has patched its modules already
+        return original(fn)  # a helper seeing another language module: the stock behaviour
+
+    interpreter._patch_lang = patch_lang
