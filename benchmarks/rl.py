@@ -98,7 +98,7 @@ def one_run(trainer_name: str, model_name: str, mode: str, variant: str, kind: s
     import trl
     from trl.kernels.chunked_logprob import ChunkedLogProbFunction
 
-    from foak.bench.measure import kernel_times, peak_memory, reset_peak_memory
+    from foak.bench.measure import gemm_shapes, kernel_times, peak_memory, reset_peak_memory
     from foak.data import DEFAULT_CHARS, char_tokenizer
 
     device = "cpu" if kind == "smoke" else "cuda"
@@ -145,7 +145,7 @@ def one_run(trainer_name: str, model_name: str, mode: str, variant: str, kind: s
         if ref_model is not None:
             reports["reference"] = foak.patch(ref_model, mixed_precision=precision)
 
-    step_times, kernels = [], []
+    step_times, kernels, gemms = [], [], []
 
     class Timer(transformers.TrainerCallback):
         profiler = None
@@ -158,7 +158,7 @@ def one_run(trainer_name: str, model_name: str, mode: str, variant: str, kind: s
             if profile and state.global_step == steps - 1:  # the last step (its time is not counted)
                 activities = [torch.profiler.ProfilerActivity.CPU] + (
                     [torch.profiler.ProfilerActivity.CUDA] if device == "cuda" else [])
-                self.profiler = torch.profiler.profile(activities=activities)
+                self.profiler = torch.profiler.profile(activities=activities, record_shapes=True)
                 self.profiler.__enter__()
             self.t0 = time.perf_counter()
 
@@ -168,6 +168,7 @@ def one_run(trainer_name: str, model_name: str, mode: str, variant: str, kind: s
             if self.profiler is not None:
                 self.profiler.__exit__(None, None, None)
                 kernels.extend(kernel_times(self.profiler, cpu=device != "cuda"))
+                gemms.extend(gemm_shapes(self.profiler))
                 self.profiler = None
                 return
             step_times.append(time.perf_counter() - self.t0)
@@ -232,6 +233,7 @@ def one_run(trainer_name: str, model_name: str, mode: str, variant: str, kind: s
               "metrics": logs, "trl_kernel_calls": trl_calls[0]}
     if profile:
         record["profile"] = kernels
+        record["profile_gemms"] = gemms
     for role, report in reports.items():
         notes = report.result(f"{report.model_type}.fused_linear_loss").notes
         served, fallback = SERVED.search(notes), [int(x) for x in FALLBACK.findall(notes)]
@@ -292,7 +294,7 @@ def _environment() -> dict:
 
 
 def _short(record: dict) -> dict:
-    return {k: v for k, v in record.items() if not k.startswith("report_") and k not in ("metrics", "profile")}
+    return {k: v for k, v in record.items() if not k.startswith("report_") and k not in ("metrics", "profile", "profile_gemms")}
 
 
 def main() -> int:
@@ -392,6 +394,10 @@ def main() -> int:
             print(f"\nprofiled step, {r['trainer']} {r['model']} {r['mode']} {r['variant']}: kernel | calls | ms")
             for k in r["profile"][:16]:
                 print(f"| {k['name'][:90]} | {k['calls']} | {k['ms']:.2f} |")
+            if r.get("profile_gemms"):
+                print("matrix products: op | input shapes | strides | calls | ms")
+                for k in r["profile_gemms"][:16]:
+                    print(f"| {k['name']} | {k['shapes']} | {k['strides']} | {k['calls']} | {k['ms']:.2f} |")
     return 0 if all(r["ok"] for r in checks) else 1
 
 

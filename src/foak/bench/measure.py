@@ -154,6 +154,28 @@ def kernel_times(profiler, top: int = 40, cpu: bool = False) -> list[dict]:
     return [total] + rows[:top]
 
 
+GEMM_OPS = ("aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm", "aten::_grouped_mm", "aten::_scaled_mm")
+
+
+def gemm_shapes(profiler, top: int = 40) -> list[dict]:
+    """A finished torch.profiler run (``record_shapes=True``): the matrix products' device time per (op, input
+    shapes, input strides), largest first, as ``{"name", "shapes", "strides", "calls", "ms"}`` rows: which GEMM
+    of the step a kernel name's time belongs to, and whether an operand arrived transposed."""
+    rows: dict[tuple, dict] = {}
+    for event in profiler.events():
+        if event.name not in GEMM_OPS:
+            continue
+        shapes = [list(s) for s in event.input_shapes if s]
+        # strides: a hint where the profiler records them (structured_input_strides in recent torch)
+        recorded = getattr(event, "structured_input_strides", None) or getattr(event, "input_strides", None) or []
+        strides = [list(s) for s in recorded if s and all(isinstance(x, int) for x in s)]
+        key = (event.name, str(shapes), str(strides))
+        row = rows.setdefault(key, {"name": event.name, "shapes": shapes, "strides": strides, "calls": 0, "ms": 0.0})
+        row["calls"] += 1
+        row["ms"] += (getattr(event, "device_time_total", 0) or getattr(event, "cuda_time_total", 0) or 0) / 1e3
+    return sorted(rows.values(), key=lambda r: -r["ms"])[:top]
+
+
 def reset_peak_memory(device: torch.device | str) -> None:
     if torch.device(device).type == "cuda":
         torch.cuda.synchronize()
