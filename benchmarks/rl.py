@@ -36,8 +36,8 @@ within 1e-4 relative (+1e-5 absolute for differences of log-probs). Each timed r
 and their largest relative distance from TRL alone's (bf16: for reading, not a pass/fail).
 Each row counts the calls of TRL's own fused-head kernel and the calls foak served (the fused_linear_loss rows).
 
-Writes ``rl_h200[_check]_<trainers>_<models>_<modes>.json`` (``rl_smoke.json`` with --cpu-smoke): environment, check
-rows, timed rows; prints a table last.
+Writes ``rl_<gpu>[_check]_<trainers>_<models>_<modes>.json`` (gpu: h200, h100, ...; ``rl_smoke.json`` with
+--cpu-smoke): environment, check rows, timed rows; prints a table last.
 """
 
 from __future__ import annotations
@@ -98,7 +98,7 @@ def one_run(trainer_name: str, model_name: str, mode: str, variant: str, kind: s
     import trl
     from trl.kernels.chunked_logprob import ChunkedLogProbFunction
 
-    from foak.bench.measure import gemm_shapes, kernel_times, peak_memory, reset_peak_memory
+    from foak.bench.measure import GemmLayouts, gemm_shapes, kernel_times, peak_memory, reset_peak_memory
     from foak.data import DEFAULT_CHARS, char_tokenizer
 
     device = "cpu" if kind == "smoke" else "cuda"
@@ -145,7 +145,7 @@ def one_run(trainer_name: str, model_name: str, mode: str, variant: str, kind: s
         if ref_model is not None:
             reports["reference"] = foak.patch(ref_model, mixed_precision=precision)
 
-    step_times, kernels, gemms = [], [], []
+    step_times, kernels, gemms, layouts = [], [], [], []
 
     class Timer(transformers.TrainerCallback):
         profiler = None
@@ -160,12 +160,15 @@ def one_run(trainer_name: str, model_name: str, mode: str, variant: str, kind: s
                     [torch.profiler.ProfilerActivity.CUDA] if device == "cuda" else [])
                 self.profiler = torch.profiler.profile(activities=activities, record_shapes=True)
                 self.profiler.__enter__()
+                self.layouts = GemmLayouts().__enter__()
             self.t0 = time.perf_counter()
 
         def on_step_end(self, args, state, control, **kwargs):
             if device == "cuda":
                 torch.cuda.synchronize()
             if self.profiler is not None:
+                self.layouts.__exit__(None, None, None)
+                layouts.extend(self.layouts.rows())
                 self.profiler.__exit__(None, None, None)
                 kernels.extend(kernel_times(self.profiler, cpu=device != "cuda"))
                 gemms.extend(gemm_shapes(self.profiler))
@@ -234,6 +237,7 @@ def one_run(trainer_name: str, model_name: str, mode: str, variant: str, kind: s
     if profile:
         record["profile"] = kernels
         record["profile_gemms"] = gemms
+        record["profile_gemm_layouts"] = layouts
     for role, report in reports.items():
         notes = report.result(f"{report.model_type}.fused_linear_loss").notes
         served, fallback = SERVED.search(notes), [int(x) for x in FALLBACK.findall(notes)]
@@ -294,7 +298,7 @@ def _environment() -> dict:
 
 
 def _short(record: dict) -> dict:
-    return {k: v for k, v in record.items() if not k.startswith("report_") and k not in ("metrics", "profile", "profile_gemms")}
+    return {k: v for k, v in record.items() if not k.startswith(("report_", "profile")) and k != "metrics"}
 
 
 def main() -> int:
@@ -363,10 +367,12 @@ def main() -> int:
     Path(args.out).mkdir(parents=True, exist_ok=True)
     selection = "_".join("-".join(x) for x in (args.trainers, args.models, args.modes))
     selection += f"_grpo-beta{args.grpo_beta:g}" if args.grpo_beta and "grpo" in args.trainers else ""
-    name = "rl_smoke" if smoke else ("rl_h200_check_" + "-".join(args.trainers) if args.check_only
-                                     else "rl_h200_" + selection)
+    environment = _environment()
+    gpu = next((tag for tag in ("h200", "h100", "a100") if tag in str(environment.get("gpu")).lower()), "gpu")
+    name = "rl_smoke" if smoke else (f"rl_{gpu}_check_" + "-".join(args.trainers) if args.check_only
+                                     else f"rl_{gpu}_" + selection)
     path = Path(args.out) / f"{name}.json"
-    path.write_text(json.dumps({"environment": _environment(), "checks": checks, "rows": rows}, indent=1))
+    path.write_text(json.dumps({"environment": environment, "checks": checks, "rows": rows}, indent=1))
     print(f"wrote {path}")
     print("| check | variant | ok | largest distance from TRL alone (step:metric) | TRL kernel calls | foak served |")
     print("|---|---|---|---|---|---|")
@@ -398,6 +404,10 @@ def main() -> int:
                 print("matrix products: op | input shapes | strides | calls | ms")
                 for k in r["profile_gemms"][:16]:
                     print(f"| {k['name']} | {k['shapes']} | {k['strides']} | {k['calls']} | {k['ms']:.2f} |")
+            if r.get("profile_gemm_layouts"):
+                print("matrix product layouts: op | input shapes | strides | 128-byte aligned | calls")
+                for k in r["profile_gemm_layouts"]:
+                    print(f"| {k['name']} | {k['shapes']} | {k['strides']} | {k['aligned']} | {k['calls']} |")
     return 0 if all(r["ok"] for r in checks) else 1
 
 

@@ -176,6 +176,42 @@ def gemm_shapes(profiler, top: int = 40) -> list[dict]:
     return sorted(rows.values(), key=lambda r: -r["ms"])[:top]
 
 
+class GemmLayouts:
+    """Counts the matrix products run inside it by (op, input shapes, input strides, which inputs start at a
+    128-byte-aligned address): the layouts cuBLAS sees, which the profiler of torch 2.11 does not record. Use
+    around one untimed step (a dispatch mode adds host time to every op)."""
+
+    def __init__(self):
+        from torch.utils._python_dispatch import TorchDispatchMode
+
+        counts: dict[tuple, int] = {}
+        gemms = {getattr(torch.ops.aten, name.split("::")[1]) for name in GEMM_OPS
+                 if hasattr(torch.ops.aten, name.split("::")[1])}
+
+        class Mode(TorchDispatchMode):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                if func.overloadpacket in gemms:
+                    tensors = [a for a in args if isinstance(a, torch.Tensor)]
+                    key = (str(func.overloadpacket), str([list(t.shape) for t in tensors]),
+                           str([list(t.stride()) for t in tensors]),
+                           "".join("a" if t.data_ptr() % 128 == 0 else "u" for t in tensors))
+                    counts[key] = counts.get(key, 0) + 1
+                return func(*args, **(kwargs or {}))
+
+        self.counts, self._mode = counts, Mode()
+
+    def __enter__(self):
+        self._mode.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        return self._mode.__exit__(*exc)
+
+    def rows(self) -> list[dict]:
+        return [{"name": k[0], "shapes": k[1], "strides": k[2], "aligned": k[3], "calls": n}
+                for k, n in sorted(self.counts.items(), key=lambda kv: (kv[0][1], -kv[1]))]
+
+
 def reset_peak_memory(device: torch.device | str) -> None:
     if torch.device(device).type == "cuda":
         torch.cuda.synchronize()
