@@ -362,3 +362,30 @@ def test_kernel_times_sums_self_time_per_name_largest_first():
     mm = next(r for r in rows if r["name"] == "aten::mm")
     assert mm["calls"] == 3 and rows[0]["ms"] >= sum(r["ms"] for r in rows[1:]) - 1e-9
     assert kernel_times(prof) == [{"name": "(total)", "calls": 0, "ms": 0}]  # no device kernels on the CPU
+
+
+def test_gemm_shapes_and_layouts_count_each_product_by_shape_and_layout():
+    import torch
+
+    from foak.bench.measure import GemmLayouts, gemm_shapes
+
+    a, b = torch.randn(6, 4), torch.randn(4, 5)
+    bt = torch.randn(5, 4).t()  # the same shape as b, transposed layout
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], record_shapes=True) as prof:
+        with GemmLayouts() as layouts:
+            a @ b
+            a @ b
+            a @ bt
+            torch.addmm(torch.zeros(6, 5), a, b)
+            a + 1
+    rows = gemm_shapes(prof)
+    # counted once each although the dispatch mode dispatches every product again; one row per layout where the
+    # profiler records strides (the transposed operand's call on a row of its own)
+    assert sum(r["calls"] for r in rows if r["name"] == "aten::mm") == 3
+    assert [r["calls"] for r in rows if r["name"] == "aten::addmm"] == [1]
+    assert all(r["shapes"][:2] == [[6, 4], [4, 5]] for r in rows if r["name"] == "aten::mm")
+    assert all(r["ms"] == 0 for r in rows)  # no device time on the CPU
+    counted = {(r["name"], r["strides"]): r["calls"] for r in layouts.rows()}
+    assert counted == {("aten.mm", "[[4, 1], [5, 1]]"): 2, ("aten.mm", "[[4, 1], [1, 4]]"): 1,
+                       ("aten.addmm", "[[5, 1], [4, 1], [5, 1]]"): 1}
+    assert all(set(r["aligned"]) <= {"a", "u"} for r in layouts.rows())

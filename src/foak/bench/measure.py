@@ -157,14 +157,23 @@ def kernel_times(profiler, top: int = 40, cpu: bool = False) -> list[dict]:
 GEMM_OPS = ("aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm", "aten::_grouped_mm", "aten::_scaled_mm")
 
 
+def _has_gemm_parent(event) -> bool:
+    parent = getattr(event, "cpu_parent", None)
+    while parent is not None:
+        if parent.name in GEMM_OPS:
+            return True
+        parent = getattr(parent, "cpu_parent", None)
+    return False
+
+
 def gemm_shapes(profiler, top: int = 40) -> list[dict]:
     """A finished torch.profiler run (``record_shapes=True``): the matrix products' device time per (op, input
     shapes, input strides), largest first, as ``{"name", "shapes", "strides", "calls", "ms"}`` rows: which GEMM
     of the step a kernel name's time belongs to, and whether an operand arrived transposed."""
     rows: dict[tuple, dict] = {}
     for event in profiler.events():
-        if event.name not in GEMM_OPS:
-            continue
+        if event.name not in GEMM_OPS or _has_gemm_parent(event):
+            continue  # a product dispatched again inside another (under a dispatch mode) counts once
         shapes = [list(s) for s in event.input_shapes if s]
         # strides: a hint where the profiler records them (structured_input_strides in recent torch)
         recorded = getattr(event, "structured_input_strides", None) or getattr(event, "input_strides", None) or []
