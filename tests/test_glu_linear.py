@@ -115,3 +115,59 @@ def test_custom_op_passes_opcheck():
     from foak.ops.glu_linear import _backward_op
 
     torch.library.opcheck(_backward_op.custom_op, (dh, g, u, "silu"))
+
+
+def _counting_linear(monkeypatch):
+    """F.linear calls that completed, by weight shape (a checkpoint's early stop raises before an op runs)."""
+    import collections
+
+    done = collections.Counter()
+    original = torch.nn.functional.linear
+
+    def linear(x, weight, bias=None):
+        out = original(x, weight, bias)
+        done[tuple(weight.shape)] += 1
+        return out
+
+    monkeypatch.setattr(torch.nn.functional, "linear", linear)
+    return done
+
+
+@pytest.mark.parametrize("reentrant", [False, True])
+def test_checkpoint_recompute_stops_before_the_down_projection(monkeypatch, reentrant):
+    # a gated MLP under activation checkpointing: non-reentrant checkpointing recomputes the forward only until the
+    # MLP's saved tensors are back, so the down projection's GEMM is not run again (as for an nn.Linear); reentrant
+    # checkpointing recomputes everything. Loss and every gradient equal the un-checkpointed MLP's.
+    from torch.utils.checkpoint import checkpoint
+
+    torch.manual_seed(0)
+    x, wg, wu, wd = _mlp_inputs(tokens=(2, 13), inner=67, outer=19)
+    dout = torch.randn(2, 13, 19)
+
+    def mlp(x):
+        return glu_linear(torch.nn.functional.linear(x, wg), torch.nn.functional.linear(x, wu), wd) * 1.0
+
+    leaves = (x, wg, wu, wd)
+    want = torch.autograd.grad(mlp(x), leaves, dout)
+    done = _counting_linear(monkeypatch)
+    checkpoint(mlp, x, use_reentrant=reentrant).backward(dout)  # (reentrant checkpointing refuses autograd.grad)
+    for a, b in zip((t.grad for t in leaves), want):
+        assert relative_error(a, b) < 1e-6
+    assert done[(67, 19)] == 4  # gate and up: forward and recompute
+    assert done[(19, 67)] == (2 if reentrant else 1)  # the down projection: once more only when reentrant
+
+
+def test_saved_tensors_are_released_after_the_backward():
+    # the node that saves g, u and the weight ahead of the GEMM runs right after it in the backward and frees them
+    import gc
+    import weakref
+
+    x, wg, wu, wd = _mlp_inputs()
+    g, u = x @ wg.t(), x @ wu.t()
+    out = glu_linear(g, u, wd)
+    g_ref = weakref.ref(g)
+    del g, u
+    out.sum().backward(retain_graph=False)
+    gc.collect()
+    assert g_ref() is None and out.grad_fn is not None
+    assert wd.grad is not None and x.grad is not None

@@ -17,6 +17,7 @@ from foak.backend import use_triton
 from foak.ops._checks import check_float_tensor, check_same_device, check_same_dtype
 from foak.ops._custom_op import custom_op
 from foak.ops._inplace import can_overwrite, claim
+from foak.ops._save_first import save_first, saved, token_grad
 from foak.ops.activations import _backward_launch, _glu_forward_op, check_glu_inputs, glu_reference
 
 
@@ -41,7 +42,23 @@ def _backward_op(dh: torch.Tensor, g: torch.Tensor, u: torch.Tensor, activation:
     return dg, du, h
 
 
+def _backward(dout, g, u, weight, activation, inplace_backward, want_dweight, want_dbias):
+    dout2 = dout.reshape(-1, dout.shape[-1])
+    dh = (dout2 @ weight).view(g.shape)  # fresh and contiguous: the kernel may write the product into it
+    if inplace_backward:
+        # eager only: each thread reads dh[i], g[i], u[i] before writing dg[i], du[i], h[i] over them
+        _backward_launch(dh, g, u, g, u, activation, h=dh)
+        dg, du, h = g, u, dh
+    else:
+        dg, du, h = _backward_op(dh, g, u, activation)
+    dweight = dout2.t() @ h.reshape(-1, h.shape[-1]) if want_dweight else None
+    dbias = dout2.sum(0) if want_dbias else None
+    return dg, du, dweight, dbias
+
+
 class _GLULinearFunction(torch.autograd.Function):
+    """Saves g, u and weight itself (after its forward): the path under torch.compile."""
+
     @staticmethod
     def forward(ctx, g, u, weight, bias, activation, inplace_backward):
         out = torch.nn.functional.linear(_glu_forward_op(g, u, activation), weight, bias)
@@ -52,17 +69,28 @@ class _GLULinearFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dout):
         g, u, weight = ctx.saved_tensors
-        dout2 = dout.reshape(-1, dout.shape[-1])
-        dh = (dout2 @ weight).view(g.shape)  # fresh and contiguous: the kernel may write the product into it
-        if ctx.inplace_backward:
-            # eager only: each thread reads dh[i], g[i], u[i] before writing dg[i], du[i], h[i] over them
-            _backward_launch(dh, g, u, g, u, ctx.activation, h=dh)
-            dg, du, h = g, u, dh
-        else:
-            dg, du, h = _backward_op(dh, g, u, ctx.activation)
-        dweight = dout2.t() @ h.reshape(-1, h.shape[-1]) if ctx.needs_input_grad[2] else None
-        dbias = dout2.sum(0) if ctx.has_bias and ctx.needs_input_grad[3] else None
-        return dg, du, dweight, dbias, None, None
+        return (*_backward(dout, g, u, weight, ctx.activation, ctx.inplace_backward, ctx.needs_input_grad[2],
+                           ctx.has_bias and ctx.needs_input_grad[3]), None, None)
+
+
+class _GLULinearAfterSave(torch.autograd.Function):
+    """The eager path: g, u and weight were saved by foak.ops._save_first ahead of this node, so a non-reentrant
+    checkpoint's recompute stops before the GEMM (as it does before an nn.Linear's), not after it."""
+
+    @staticmethod
+    def forward(ctx, token, g, u, weight, bias, activation, inplace_backward, saver):
+        ctx.saver, ctx.token = saver, (token.dtype, token.device)
+        ctx.activation, ctx.inplace_backward, ctx.has_bias = activation, inplace_backward, bias is not None
+        return torch.nn.functional.linear(_glu_forward_op(g, u, activation), weight, bias)
+
+    @staticmethod
+    def backward(ctx, dout):
+        g, u, weight = saved(ctx.saver)
+        ctx.saver = None
+        grads = _backward(dout, g, u, weight, ctx.activation, ctx.inplace_backward, ctx.needs_input_grad[3],
+                          ctx.has_bias and ctx.needs_input_grad[4])
+        dtype, device = ctx.token
+        return (token_grad(torch.empty(0, dtype=dtype, device=device)), *grads, None, None, None)
 
 
 # 5. public function -------------------------------------------------------------------------------
@@ -94,4 +122,7 @@ def glu_linear(g: torch.Tensor, u: torch.Tensor, weight: torch.Tensor, bias: tor
     if inplace:
         claim(g, u)
     with torch.autocast(device_type, enabled=False):
-        return _GLULinearFunction.apply(g, u, weight, bias, activation, inplace)
+        if torch.compiler.is_compiling() or not torch.is_grad_enabled():
+            return _GLULinearFunction.apply(g, u, weight, bias, activation, inplace)
+        token, saver = save_first(g, u, weight)
+        return _GLULinearAfterSave.apply(token, g, u, weight, bias, activation, inplace, saver)
