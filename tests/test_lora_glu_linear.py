@@ -115,3 +115,38 @@ def test_non_contiguous_inputs_and_errors():
     with pytest.raises(ValueError, match="frozen in LoRA"):
         w, b, a, bb, s = _args(layer)
         lora_glu_linear(g, u, w.clone().requires_grad_(), b, a, bb, s)
+
+
+@pytest.mark.parametrize("reentrant", [False, True])
+def test_checkpoint_recompute_stops_before_the_base_gemm(monkeypatch, reentrant):
+    # under non-reentrant checkpointing the recompute stops once the op's tensors are saved again, before the
+    # base GEMM and the adapter's up projection (as it stops before an nn.Linear's GEMM); reentrant checkpointing
+    # recomputes everything. Gradients (dropout's regenerated mask included) equal the un-checkpointed op's.
+    import foak.ops.lora_glu_linear as module
+    from torch.utils.checkpoint import checkpoint
+
+    inter, out_f, r, p = 131, 37, 5, 0.2
+    _, layer = _peft_layer(inter, out_f, r, alpha=11, dropout=p, bias=True)
+    gen = torch.Generator().manual_seed(4)
+    g, u = torch.randn(3, 7, inter, generator=gen), torch.randn(3, 7, inter, generator=gen)
+    dy = torch.randn(3, 7, out_f, generator=gen)
+
+    def op(a, b):
+        return lora_glu_linear(a * 1, b * 1, *_args(layer), dropout_p=p, seed=5)
+
+    _, want = _run(op, g, u, layer, dy)
+    outputs = [0]
+    original = module._output
+
+    def counting(*args):
+        outputs[0] += 1
+        return original(*args)
+
+    monkeypatch.setattr(module, "_output", counting)
+    gc, uc = g.clone().requires_grad_(), u.clone().requires_grad_()
+    lora_A, lora_B = layer.lora_A["default"].weight, layer.lora_B["default"].weight
+    lora_A.grad = lora_B.grad = None
+    checkpoint(op, gc, uc, use_reentrant=reentrant).backward(dy)
+    got = (gc.grad, uc.grad, lora_A.grad, lora_B.grad)
+    assert max(relative_error(a, b) for a, b in zip(got, want)) <= 1e-6
+    assert outputs[0] == (2 if reentrant else 1)

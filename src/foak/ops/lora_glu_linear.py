@@ -21,6 +21,7 @@ import torch
 from foak.backend import use_triton
 from foak.ops._custom_op import custom_op
 from foak.ops._inplace import can_overwrite, claim
+from foak.ops._save_first import token_grad
 from foak.ops.activations import _backward_launch, _glu_forward_op, check_glu_inputs, glu_reference
 from foak.ops.lora import (
     _add_input_grad_base,
@@ -63,43 +64,33 @@ def _glu_backward_op(dh: torch.Tensor, g: torch.Tensor, u: torch.Tensor, activat
     return dg, du
 
 
-class _LoRAGLULinearFunction(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, g, u, weight, bias, lora_A, lora_B, scaling, dropout_p, seed, activation, inplace,
-                result_dtype):
-        h = _glu_forward_op(g, u, activation)
-        h2d = h.view(-1, h.shape[-1])
-        # result_dtype (a quantized base under autocast): g, u and h are in it, cast for the GEMMs as
-        # bitsandbytes casts its input, and the output is in it too (foak.ops.lora._split_output)
-        h_c = h2d if result_dtype is None or h2d.dtype == weight.dtype else h2d.to(weight.dtype)
-        xa = _adapter_input(h_c, lora_A.dtype, dropout_p, seed)
-        small = torch.mm(xa, lora_A.t())
-        del xa
-        if result_dtype is not None:
-            out = _split_output(h_c, weight, bias, small, lora_B, scaling,
-                                h_c.new_empty((h_c.shape[0], weight.shape[0]), dtype=result_dtype))
-        else:
-            out = _projection_output(h2d, weight, bias, small, lora_B, scaling)
-        saved, ctx.quantized = _saveable([g, u, weight, lora_A, lora_B, small, seed])
-        ctx.save_for_backward(*saved)
-        ctx.scaling, ctx.dropout_p, ctx.activation, ctx.inplace = scaling, dropout_p, activation, inplace
-        ctx.split = result_dtype is not None
-        return out.view(*g.shape[:-1], out.shape[-1])
+def _adapter_product(g, u, weight, lora_A, dropout_p, seed, activation, result_dtype):
+    """h = act(g) * u as [tokens, intermediate], the input of the base GEMM (cast as bitsandbytes casts its input
+    for a quantized base under autocast: result_dtype), and the rank-sized product dropout(h) A^T."""
+    h = _glu_forward_op(g, u, activation)
+    h2d = h.view(-1, h.shape[-1])
+    h_c = h2d if result_dtype is None or h2d.dtype == weight.dtype else h2d.to(weight.dtype)
+    xa = _adapter_input(h_c, lora_A.dtype, dropout_p, seed)
+    return h2d, h_c, torch.mm(xa, lora_A.t())
 
-    @staticmethod
-    def backward(ctx, dout):
-        with torch.autocast(dout.device.type, enabled=False):  # a backward run inside an autocast region
-            return _LoRAGLULinearFunction._backward(ctx, dout)
 
-    @staticmethod
-    def _backward(ctx, dout):
-        g, u, weight, lora_A, lora_B, small, seed = _restore(ctx.saved_tensors, ctx.quantized)
-        s, p = ctx.scaling, ctx.dropout_p
-        need_A, need_B = ctx.needs_input_grad[4], ctx.needs_input_grad[5]
+def _output(h2d, h_c, weight, bias, small, lora_B, scaling, result_dtype):
+    # result_dtype (a quantized base under autocast): the output is in it too (foak.ops.lora._split_output)
+    if result_dtype is not None:
+        return _split_output(h_c, weight, bias, small, lora_B, scaling,
+                             h_c.new_empty((h_c.shape[0], weight.shape[0]), dtype=result_dtype))
+    return _projection_output(h2d, weight, bias, small, lora_B, scaling)
+
+
+def _backward(dout, saved, scaling, p, activation, inplace, split, need_A, need_B):
+    """(dg, du, dA, dB) from the saved (g, u, weight, lora_A, lora_B, small, seed)."""
+    with torch.autocast(dout.device.type, enabled=False):  # a backward run inside an autocast region
+        g, u, weight, lora_A, lora_B, small, seed = saved
+        s = scaling
         dy = dout.reshape(-1, dout.shape[-1])
         adapter_dtype = lora_A.dtype
         g2d, u2d = g.view(-1, g.shape[-1]), u.view(-1, u.shape[-1])
-        if ctx.split:  # as foak.ops.lora._split_backward: PEFT's casts and sums, dh in g's dtype
+        if split:  # as foak.ops.lora._split_backward: PEFT's casts and sums, dh in g's dtype
             dy_c = dy if dy.dtype == weight.dtype else dy.to(weight.dtype)
             dy_s = dy_c if s == 1.0 else dy_c * s
             dB = torch.mm(dy_s.t(), small) if need_B else None
@@ -114,23 +105,98 @@ class _LoRAGLULinearFunction(torch.autograd.Function):
             # the adapter's part (masked) first, then the base GEMM accumulates onto it: dh is fresh and contiguous
             dh, _ = _adapter_input_grad(None, gd, lora_A, g2d, seed, p, dy.dtype, False)
             dh = _add_input_grad_base(dh, [dy], [weight])
-        if ctx.inplace:
+        if inplace:
             # eager only: each thread reads dh[i], g[i], u[i] before writing dg[i], du[i], h[i] over them
-            _backward_launch(dh, g2d, u2d, g2d, u2d, ctx.activation, h=dh)
+            _backward_launch(dh, g2d, u2d, g2d, u2d, activation, h=dh)
             dg, du = g, u
         else:
-            dg2d, du2d = _glu_backward_op(dh, g2d, u2d, ctx.activation)
+            dg2d, du2d = _glu_backward_op(dh, g2d, u2d, activation)
             dg, du = dg2d.view(g.shape), du2d.view(u.shape)
         h2d = dh  # now act(g) * u
         dA = None
         if need_A:
             if p > 0:  # the forward's adapter input again: dropout after the cast to the compute dtype
-                h_c = h2d.to(weight.dtype) if ctx.split and h2d.dtype != weight.dtype else h2d
+                h_c = h2d.to(weight.dtype) if split and h2d.dtype != weight.dtype else h2d
                 xa = _dropout_op(h_c, seed, p, adapter_dtype)
             else:
                 xa = h2d if h2d.dtype == adapter_dtype else h2d.to(adapter_dtype)
             dA = torch.mm(gd.t(), xa)
+        return dg, du, dA, dB
+
+
+class _LoRAGLULinearFunction(torch.autograd.Function):
+    """Saves its tensors itself (after its forward): the path under torch.compile."""
+
+    @staticmethod
+    def forward(ctx, g, u, weight, bias, lora_A, lora_B, scaling, dropout_p, seed, activation, inplace,
+                result_dtype):
+        h2d, h_c, small = _adapter_product(g, u, weight, lora_A, dropout_p, seed, activation, result_dtype)
+        out = _output(h2d, h_c, weight, bias, small, lora_B, scaling, result_dtype)
+        saved, ctx.quantized = _saveable([g, u, weight, lora_A, lora_B, small, seed])
+        ctx.save_for_backward(*saved)
+        ctx.scaling, ctx.dropout_p, ctx.activation, ctx.inplace = scaling, dropout_p, activation, inplace
+        ctx.split = result_dtype is not None
+        return out.view(*g.shape[:-1], out.shape[-1])
+
+    @staticmethod
+    def backward(ctx, dout):
+        dg, du, dA, dB = _backward(dout, _restore(ctx.saved_tensors, ctx.quantized), ctx.scaling, ctx.dropout_p,
+                                   ctx.activation, ctx.inplace, ctx.split, ctx.needs_input_grad[4],
+                                   ctx.needs_input_grad[5])
         return dg, du, None, None, dA, dB, None, None, None, None, None, None
+
+
+class _Pending:
+    """The saving node's context, for the output node's backward."""
+
+    __slots__ = ("ctx",)
+
+    def __init__(self):
+        self.ctx = None
+
+
+class _LoRAGLUSave(torch.autograd.Function):
+    """The eager path, first node: h and the rank-sized product, then the saved tensors, all before the base GEMM
+    (the output node's), so a non-reentrant checkpoint's recompute stops before that GEMM (foak.ops._save_first).
+    Returns the token linking it to the output node, h, the GEMM's input where a cast makes it another tensor
+    (else an empty placeholder), and the rank-sized product; none of them differentiable."""
+
+    @staticmethod
+    def forward(ctx, pending, g, u, weight, lora_A, lora_B, seed, dropout_p, activation, result_dtype):
+        h2d, h_c, small = _adapter_product(g, u, weight, lora_A, dropout_p, seed, activation, result_dtype)
+        saved, ctx.quantized = _saveable([g, u, weight, lora_A, lora_B, small, seed])
+        ctx.save_for_backward(*saved)
+        pending.ctx = ctx
+        cast = h_c if h_c is not h2d else h2d.new_empty(0)
+        ctx.mark_non_differentiable(h2d, cast, small)
+        return g.new_empty(0), h2d, cast, small
+
+    @staticmethod
+    def backward(ctx, *_grads):
+        return (None,) * 10  # the output node returns every gradient; this node only held the saved tensors
+
+
+class _LoRAGLUOutput(torch.autograd.Function):
+    """The eager path, second node: the base GEMM and the adapter's up projection; saves nothing itself."""
+
+    @staticmethod
+    def forward(ctx, token, g, u, lora_A, h2d, cast, small, weight, bias, lora_B, scaling, dropout_p, activation,
+                inplace, result_dtype, pending):
+        ctx.pending, ctx.token = pending, (token.dtype, token.device)
+        ctx.scaling, ctx.dropout_p, ctx.activation, ctx.inplace = scaling, dropout_p, activation, inplace
+        ctx.split = result_dtype is not None
+        out = _output(h2d, cast if cast.numel() else h2d, weight, bias, small, lora_B, scaling, result_dtype)
+        return out.view(*g.shape[:-1], out.shape[-1])
+
+    @staticmethod
+    def backward(ctx, dout):
+        save_ctx, ctx.pending = ctx.pending.ctx, None
+        dg, du, dA, dB = _backward(dout, _restore(save_ctx.saved_tensors, save_ctx.quantized), ctx.scaling,
+                                   ctx.dropout_p, ctx.activation, ctx.inplace, ctx.split, ctx.needs_input_grad[3],
+                                   ctx.needs_input_grad[9])
+        dtype, device = ctx.token
+        return (token_grad(torch.empty(0, dtype=dtype, device=device)), dg, du, dA, *(None,) * 5, dB,
+                *(None,) * 6)
 
 
 # 5. public function -------------------------------------------------------------------------------
@@ -161,5 +227,11 @@ def lora_glu_linear(g: torch.Tensor, u: torch.Tensor, weight, bias: torch.Tensor
     if inplace:
         claim(g, u)
     with torch.autocast(device_type, enabled=False):
-        return _LoRAGLULinearFunction.apply(g, u, weight, bias, lora_A, lora_B, scaling, dropout_p, seed_t,
-                                            activation, inplace, result_dtype)
+        if torch.compiler.is_compiling() or not torch.is_grad_enabled():
+            return _LoRAGLULinearFunction.apply(g, u, weight, bias, lora_A, lora_B, scaling, dropout_p, seed_t,
+                                                activation, inplace, result_dtype)
+        pending = _Pending()
+        token, h2d, cast, small = _LoRAGLUSave.apply(pending, g, u, weight, lora_A, lora_B, seed_t, dropout_p,
+                                                     activation, result_dtype)
+        return _LoRAGLUOutput.apply(token, g, u, lora_A, h2d, cast, small, weight, bias, lora_B, scaling, dropout_p,
+                                    activation, inplace, result_dtype, pending)
