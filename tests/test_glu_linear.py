@@ -171,3 +171,12 @@ def test_saved_tensors_are_released_after_the_backward():
     gc.collect()
     assert g_ref() is None and out.grad_fn is not None
     assert wd.grad is not None and x.grad is not None
+
+
+def test_second_backward_with_retain_graph():
+    # the saving node keeps its tensors under retain_graph (inplace_backward=False: the inputs stay intact)
+    x, wg, wu, wd = _mlp_inputs()
+    out = glu_linear(x @ wg.t(), x @ wu.t(), wd, inplace_backward=False)
+    first = torch.autograd.grad(out.sum(), (x, wd), retain_graph=True)
+    second = torch.autograd.grad(out.sum(), (x, wd))
+    assert all(relative_error(a, b) == 0 for a, b in zip(first, second))

@@ -18,7 +18,9 @@ from __future__ import annotations
 import torch
 
 
-class _Saver:
+class Saver:
+    """Hands the saving node's context to the consuming node (a non-tensor argument of both)."""
+
     __slots__ = ("ctx",)
 
     def __init__(self):
@@ -38,16 +40,17 @@ class _SaveFirst(torch.autograd.Function):
         return (None,) * (1 + ctx.count)
 
 
-def save_first(*tensors: torch.Tensor) -> tuple[torch.Tensor, _Saver]:
+def save_first(*tensors: torch.Tensor) -> tuple[torch.Tensor, Saver]:
     """Saves ``tensors`` for a backward now; returns the token to pass to the consuming Function and the saver
     to hand it (a non-tensor argument)."""
-    saver = _Saver()
+    saver = Saver()
     token = _SaveFirst.apply(saver, *tensors)
     return token, saver
 
 
-def saved(saver: _Saver) -> tuple[torch.Tensor, ...]:
-    """The tensors :func:`save_first` saved (unpacked: a checkpoint recomputes its region here)."""
+def saved(saver: Saver) -> tuple[torch.Tensor, ...]:
+    """The tensors the saving node saved (unpacked: a checkpoint recomputes its region here). The saving node
+    releases them when it runs, right after the consumer (also with retain_graph, for a second backward)."""
     return saver.ctx.saved_tensors
 
 

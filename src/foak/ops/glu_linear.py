@@ -86,7 +86,6 @@ class _GLULinearAfterSave(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dout):
         g, u, weight = saved(ctx.saver)
-        ctx.saver = None
         grads = _backward(dout, g, u, weight, ctx.activation, ctx.inplace_backward, ctx.needs_input_grad[3],
                           ctx.has_bias and ctx.needs_input_grad[4])
         dtype, device = ctx.token

@@ -21,7 +21,7 @@ import torch
 from foak.backend import use_triton
 from foak.ops._custom_op import custom_op
 from foak.ops._inplace import can_overwrite, claim
-from foak.ops._save_first import token_grad
+from foak.ops._save_first import Saver, saved, token_grad
 from foak.ops.activations import _backward_launch, _glu_forward_op, check_glu_inputs, glu_reference
 from foak.ops.lora import (
     _add_input_grad_base,
@@ -146,15 +146,6 @@ class _LoRAGLULinearFunction(torch.autograd.Function):
         return dg, du, None, None, dA, dB, None, None, None, None, None, None
 
 
-class _Pending:
-    """The saving node's context, for the output node's backward."""
-
-    __slots__ = ("ctx",)
-
-    def __init__(self):
-        self.ctx = None
-
-
 class _LoRAGLUSave(torch.autograd.Function):
     """The eager path, first node: h and the rank-sized product, then the saved tensors, all before the base GEMM
     (the output node's), so a non-reentrant checkpoint's recompute stops before that GEMM (foak.ops._save_first).
@@ -162,11 +153,11 @@ class _LoRAGLUSave(torch.autograd.Function):
     (else an empty placeholder), and the rank-sized product; none of them differentiable."""
 
     @staticmethod
-    def forward(ctx, pending, g, u, weight, lora_A, lora_B, seed, dropout_p, activation, result_dtype):
+    def forward(ctx, saver, g, u, weight, lora_A, lora_B, seed, dropout_p, activation, result_dtype):
         h2d, h_c, small = _adapter_product(g, u, weight, lora_A, dropout_p, seed, activation, result_dtype)
-        saved, ctx.quantized = _saveable([g, u, weight, lora_A, lora_B, small, seed])
-        ctx.save_for_backward(*saved)
-        pending.ctx = ctx
+        tensors, ctx.quantized = _saveable([g, u, weight, lora_A, lora_B, small, seed])
+        ctx.save_for_backward(*tensors)
+        saver.ctx = ctx
         cast = h_c if h_c is not h2d else h2d.new_empty(0)
         ctx.mark_non_differentiable(h2d, cast, small)
         return g.new_empty(0), h2d, cast, small
@@ -181,8 +172,8 @@ class _LoRAGLUOutput(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, token, g, u, lora_A, h2d, cast, small, weight, bias, lora_B, scaling, dropout_p, activation,
-                inplace, result_dtype, pending):
-        ctx.pending, ctx.token = pending, (token.dtype, token.device)
+                inplace, result_dtype, saver):
+        ctx.saver, ctx.token = saver, (token.dtype, token.device)
         ctx.scaling, ctx.dropout_p, ctx.activation, ctx.inplace = scaling, dropout_p, activation, inplace
         ctx.split = result_dtype is not None
         out = _output(h2d, cast if cast.numel() else h2d, weight, bias, small, lora_B, scaling, result_dtype)
@@ -190,8 +181,8 @@ class _LoRAGLUOutput(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dout):
-        save_ctx, ctx.pending = ctx.pending.ctx, None
-        dg, du, dA, dB = _backward(dout, _restore(save_ctx.saved_tensors, save_ctx.quantized), ctx.scaling,
+        quantized = ctx.saver.ctx.quantized
+        dg, du, dA, dB = _backward(dout, _restore(saved(ctx.saver), quantized), ctx.scaling,
                                    ctx.dropout_p, ctx.activation, ctx.inplace, ctx.split, ctx.needs_input_grad[3],
                                    ctx.needs_input_grad[9])
         dtype, device = ctx.token
@@ -230,8 +221,8 @@ def lora_glu_linear(g: torch.Tensor, u: torch.Tensor, weight, bias: torch.Tensor
         if torch.compiler.is_compiling() or not torch.is_grad_enabled():
             return _LoRAGLULinearFunction.apply(g, u, weight, bias, lora_A, lora_B, scaling, dropout_p, seed_t,
                                                 activation, inplace, result_dtype)
-        pending = _Pending()
-        token, h2d, cast, small = _LoRAGLUSave.apply(pending, g, u, weight, lora_A, lora_B, seed_t, dropout_p,
+        saver = Saver()
+        token, h2d, cast, small = _LoRAGLUSave.apply(saver, g, u, weight, lora_A, lora_B, seed_t, dropout_p,
                                                      activation, result_dtype)
         return _LoRAGLUOutput.apply(token, g, u, lora_A, h2d, cast, small, weight, bias, lora_B, scaling, dropout_p,
-                                    activation, inplace, result_dtype, pending)
+                                    activation, inplace, result_dtype, saver)
