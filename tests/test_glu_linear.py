@@ -180,3 +180,20 @@ def test_second_backward_with_retain_graph():
     first = torch.autograd.grad(out.sum(), (x, wd), retain_graph=True)
     second = torch.autograd.grad(out.sum(), (x, wd))
     assert all(relative_error(a, b) == 0 for a, b in zip(first, second))
+
+
+def test_second_backward_after_an_inplace_backward_is_an_error():
+    # the in-place backward writes dg, du over g, u: a second backward through the retained graph would read
+    # gradients as activations; autograd's version check refuses it (glu_linear, glu, rms_norm alike)
+    from foak.ops.activations import glu
+    from foak.ops.rms_norm import rms_norm
+
+    x, wg, wu, wd = _mlp_inputs()
+    norm_weight = torch.ones(17, requires_grad=True)
+    for name, fn in (("glu_linear", lambda h: glu_linear(h @ wg.t(), h @ wu.t(), wd)),
+                     ("glu", lambda h: glu(h @ wg.t(), h @ wu.t())),
+                     ("rms_norm", lambda h: rms_norm(h * 2, norm_weight))):
+        out = fn(x)
+        torch.autograd.grad(out.sum(), x, retain_graph=True)
+        with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+            torch.autograd.grad(out.sum(), x)

@@ -4,7 +4,8 @@ Reusing an input's memory for its gradient saves one activation-sized allocation
 only for autograd intermediates nobody else will read: not leaves (the caller's tensors, parameters),
 not views (they may alias a leaf, and autograd forbids writing into multi-output views), each in its own
 contiguous memory. The ops bump the version counter of such inputs in the forward, so an op that saved
-one of them earlier fails loudly in its backward instead of reading overwritten values.
+one of them earlier fails loudly in its backward instead of reading overwritten values, and again in the
+backward once they are overwritten, so a second backward through a retained graph fails loudly too.
 """
 
 from __future__ import annotations
@@ -26,5 +27,12 @@ def can_overwrite(*tensors: torch.Tensor) -> bool:
 
 def claim(*tensors: torch.Tensor) -> None:
     """Mark tensors as to-be-overwritten: earlier saved uses of them now fail loudly in backward."""
+    for t in tensors:
+        torch.autograd.graph.increment_version(t)
+
+
+def overwritten(*tensors: torch.Tensor) -> None:
+    """Mark saved tensors a backward has just overwritten with gradients: a second backward through a retained
+    graph (``retain_graph=True``) then fails with autograd's in-place error instead of reading gradients."""
     for t in tensors:
         torch.autograd.graph.increment_version(t)

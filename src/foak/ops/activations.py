@@ -15,7 +15,7 @@ import triton.language as tl
 from foak.backend import use_triton
 from foak.ops._checks import check_float_tensor, check_same_device, check_same_dtype, rows_view
 from foak.ops._custom_op import custom_op
-from foak.ops._inplace import can_overwrite, claim
+from foak.ops._inplace import can_overwrite, claim, overwritten
 
 ACTIVATIONS = ("silu", "gelu", "gelu_tanh")
 _ACT_ID = {name: i for i, name in enumerate(ACTIVATIONS)}
@@ -187,6 +187,7 @@ class _GLUFunction(torch.autograd.Function):
             # eager only (never chosen while compiling): the kernel reads g[i], u[i] and writes
             # dg[i], du[i] from the same thread, so overwriting in place is safe
             _backward_launch(dh, g, u, g, u, ctx.activation)
+            overwritten(g, u)
             return g, u, None, None
         dg, du = _glu_backward_op(dh, g, u, ctx.activation)
         return dg, du, None, None

@@ -16,7 +16,7 @@ import torch
 from foak.backend import use_triton
 from foak.ops._checks import check_float_tensor, check_same_device, check_same_dtype
 from foak.ops._custom_op import custom_op
-from foak.ops._inplace import can_overwrite, claim
+from foak.ops._inplace import can_overwrite, claim, overwritten
 from foak.ops._save_first import save_first, saved, token_grad
 from foak.ops.activations import _backward_launch, _glu_forward_op, check_glu_inputs, glu_reference
 
@@ -48,6 +48,7 @@ def _backward(dout, g, u, weight, activation, inplace_backward, want_dweight, wa
     if inplace_backward:
         # eager only: each thread reads dh[i], g[i], u[i] before writing dg[i], du[i], h[i] over them
         _backward_launch(dh, g, u, g, u, activation, h=dh)
+        overwritten(g, u)
         dg, du, h = g, u, dh
     else:
         dg, du, h = _backward_op(dh, g, u, activation)

@@ -20,7 +20,7 @@ import torch
 
 from foak.backend import use_triton
 from foak.ops._custom_op import custom_op
-from foak.ops._inplace import can_overwrite, claim
+from foak.ops._inplace import can_overwrite, claim, overwritten
 from foak.ops._save_first import Saver, saved, token_grad
 from foak.ops.activations import _backward_launch, _glu_forward_op, check_glu_inputs, glu_reference
 from foak.ops.lora import (
@@ -108,6 +108,7 @@ def _backward(dout, saved, scaling, p, activation, inplace, split, need_A, need_
         if inplace:
             # eager only: each thread reads dh[i], g[i], u[i] before writing dg[i], du[i], h[i] over them
             _backward_launch(dh, g2d, u2d, g2d, u2d, activation, h=dh)
+            overwritten(g, u)
             dg, du = g, u
         else:
             dg2d, du2d = _glu_backward_op(dh, g2d, u2d, activation)

@@ -24,7 +24,7 @@ import triton.language as tl
 from foak.backend import use_triton
 from foak.ops._checks import check_float_tensor, check_same_device, check_same_dtype, rows_view
 from foak.ops._custom_op import custom_op
-from foak.ops._inplace import can_overwrite, claim
+from foak.ops._inplace import can_overwrite, claim, overwritten
 from foak.ops._recompute import offer
 
 MODES = ("llama", "gemma", "olmo")
@@ -334,6 +334,7 @@ class _RMSNormFunction(torch.autograd.Function):
         normed_input, weight, rstd = ctx.saved_tensors
         if ctx.inplace_backward:  # eager only (never chosen while compiling): dx into x's memory
             dx, dw = _backward_launch(dy, normed_input, weight, rstd, d_total, ctx.mode, dx=normed_input)
+            overwritten(normed_input)
         else:
             dx, dw = _backward_op(dy, normed_input, weight, rstd, d_total, ctx.mode)
         if not ctx.needs_input_grad[1]:
