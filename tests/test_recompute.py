@@ -189,3 +189,38 @@ def test_a_compiled_patched_llama_matches_the_unpatched_one(what):
     assert relative_error(loss, ref_loss) < 1e-6
     for (name, p), r in zip(model.named_parameters(), ref.parameters()):
         assert relative_error(p.grad, r.grad) < 1e-5, name
+
+
+def test_a_tensor_saved_through_the_scope_and_modified_in_place_fails_in_the_backward():
+    # autograd skips its own version check for tensors saved through hooks; the scope's unpack makes it
+    x = torch.randn(4, 6, requires_grad=True)
+    with recomputing_outputs():
+        y = x * 2
+        z = (y * y).sum()  # saves y
+    with torch.no_grad():
+        y.add_(1)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        z.backward()
+
+
+def test_second_backward_through_a_patched_gated_mlp_is_refused_not_wrong():
+    # the gated MLP's in-place backward overwrites g and u; a second backward through the retained graph must fail
+    # (it computed gradients 50% off before); without fast_swiglu it runs and doubles the gradients
+    import foak
+    from foak.models.tiny import tiny_model
+
+    ids = torch.randint(0, 301, (2, 16), generator=torch.Generator().manual_seed(0))
+    for switches, refused in (({"fast_rms_layernorm": True, "fast_swiglu": True}, True),
+                              ({"fast_rms_layernorm": True, "fast_rope_embeddings": True}, False)):
+        model = tiny_model("llama")
+        foak.patch(model, **switches)
+        loss = model(input_ids=ids, labels=ids).loss
+        loss.backward(retain_graph=True)
+        first = {n: p.grad.clone() for n, p in model.named_parameters()}
+        if refused:
+            with pytest.raises(RuntimeError, match="patch without fast_swiglu"):
+                loss.backward()
+        else:
+            loss.backward()
+            for n, p in model.named_parameters():
+                torch.testing.assert_close(p.grad, 2 * first[n])

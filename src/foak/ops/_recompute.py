@@ -94,22 +94,40 @@ def offer(output: torch.Tensor, recompute: Callable[..., torch.Tensor], *inputs:
     offers[ptr] = _Recipe(output, recompute, inputs)
 
 
+class _Plain:
+    """A tensor saved as itself, with its version: autograd skips its own in-place check for tensors saved through
+    hooks, so the unpack makes it (an in-place backward that overwrote a saved activation, then a second backward
+    through the retained graph, must fail, not compute from the overwritten values)."""
+
+    __slots__ = ("tensor", "version")
+
+    def __init__(self, t):
+        self.tensor, self.version = t, t._version
+
+
 def _pack(t: torch.Tensor):
     offers = _active()
     recipe = offers.get(t.untyped_storage().data_ptr()) if offers and t.numel() else None
     if recipe is None:
-        return t
+        return _Plain(t)
     output = recipe.output()
     if (output is None or output.untyped_storage().data_ptr() != t.untyped_storage().data_ptr()
             or output.dtype != t.dtype or output._version != recipe.version or not recipe.hold()):
-        return t  # a stale entry, or modified in place since it was computed: save it normally
+        return _Plain(t)  # a stale entry, or modified in place since it was computed: save it normally
     recipe.pending += 1
     return _Saved(recipe, t)
 
 
 def _unpack(saved):
-    if not isinstance(saved, _Saved):
-        return saved
+    if isinstance(saved, _Plain):
+        t = saved.tensor
+        if t._version != saved.version:
+            raise RuntimeError(
+                f"one of the variables needed for gradient computation has been modified by an inplace operation: "
+                f"[{t.dtype} {list(t.shape)}] is at version {t._version}; expected version {saved.version} instead "
+                "(saved in a decoder layer patched by foak; a second backward through a retained graph after foak's "
+                "in-place backward of the gated MLP is refused: patch without fast_swiglu to run one)")
+        return t
     recipe = saved.recipe
     value = recipe.value()
     recipe.pending -= 1
