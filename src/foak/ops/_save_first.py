@@ -54,6 +54,8 @@ def saved(saver: Saver) -> tuple[torch.Tensor, ...]:
     return saver.ctx.saved_tensors
 
 
-def token_grad(token_like: torch.Tensor) -> torch.Tensor:
-    """The gradient the consumer returns for the token: empty, so the saving node runs and frees its tensors."""
-    return token_like.new_zeros(0)
+def token_grad(token: tuple[torch.dtype, torch.device]) -> torch.Tensor:
+    """The gradient the consumer returns for the token (its (dtype, device), kept by the consumer's forward): empty,
+    so the saving node runs and frees its tensors."""
+    dtype, device = token
+    return torch.zeros(0, dtype=dtype, device=device)

@@ -89,8 +89,7 @@ class _GLULinearAfterSave(torch.autograd.Function):
         g, u, weight = saved(ctx.saver)
         grads = _backward(dout, g, u, weight, ctx.activation, ctx.inplace_backward, ctx.needs_input_grad[3],
                           ctx.has_bias and ctx.needs_input_grad[4])
-        dtype, device = ctx.token
-        return (token_grad(torch.empty(0, dtype=dtype, device=device)), *grads, None, None, None)
+        return (token_grad(ctx.token), *grads, None, None, None)
 
 
 # 5. public function -------------------------------------------------------------------------------

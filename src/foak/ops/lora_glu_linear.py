@@ -186,8 +186,7 @@ class _LoRAGLUOutput(torch.autograd.Function):
         dg, du, dA, dB = _backward(dout, _restore(saved(ctx.saver), quantized), ctx.scaling,
                                    ctx.dropout_p, ctx.activation, ctx.inplace, ctx.split, ctx.needs_input_grad[3],
                                    ctx.needs_input_grad[9])
-        dtype, device = ctx.token
-        return (token_grad(torch.empty(0, dtype=dtype, device=device)), dg, du, dA, *(None,) * 5, dB,
+        return (token_grad(ctx.token), dg, du, dA, *(None,) * 5, dB,
                 *(None,) * 6)
 
 
