@@ -428,11 +428,13 @@ def test_a_fast_loss_model_says_that_trls_fused_head_ran_trls_kernel(calls):
 
 
 def test_an_entropy_bonus_on_a_frozen_head_is_learned_after_one_step(calls, monkeypatch):
-    # GRPO with entropy_coef != 0 on a LoRA policy: the head is frozen and the entropy is differentiated. The first
-    # call takes the recomputing backward; the head then knows, and later forwards compute the entropy's gradient
-    # too (no recomputed logits), with the same gradients as TRL's kernel
+    # GRPO with entropy_coef != 0 on a LoRA policy: the head is frozen and the entropy is differentiated, so every
+    # backward recomputes the logits. The first forward also computed a frozen head's log_probs row gradient (of no
+    # use then); the head then knows, and later forwards keep only the row statistics. Gradients as TRL's kernel's.
     recomputes, backward = [], llp_module._backward_op
     monkeypatch.setattr(llp_module, "_backward_op", lambda *a: recomputes.append(1) or backward(*a))
+    row_grads, forward = [], llp_module._forward_op
+    monkeypatch.setattr(llp_module, "_forward_op", lambda *a: row_grads.append(a[12]) or forward(*a))
     model, report = _head()
     weight = model.lm_head.weight.requires_grad_(False)
     hidden, targets = _inputs(weight, None)
@@ -445,9 +447,9 @@ def test_an_entropy_bonus_on_a_frozen_head_is_learned_after_one_step(calls, monk
         return out, torch.autograd.grad((out[0] * d_logp).sum() + (out[1] * d_ent).sum(), h)[0]
 
     want, want_dh = step(ChunkedLogProbFunction)
-    for _ in range(3):
+    for call in range(3):
         got, dh = step(trl_utils._ChunkedLogProbFunction)
-        assert len(recomputes) == 1  # the first call only
+        assert len(recomputes) == call + 1 and row_grads == [True] + [False] * call
         assert relative_error(got[0], want[0]) < 1e-5 and relative_error(got[1], want[1]) < 1e-5
         assert relative_error(dh, want_dh) < 1e-5
     assert "the entropy received a gradient" in report.result("llama.fused_linear_loss").notes

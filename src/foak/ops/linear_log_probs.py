@@ -18,10 +18,11 @@ Ignored rows get 0 (False) and no gradient, and cost no GEMM work. Rows are proc
 into that chunk's own memory. The backward recomputes each chunk's logits (the forward keeps only the row
 statistics), so no [N, V] tensor outlives a chunk; for a frozen head (only hidden needs a gradient: LoRA,
 QLoRA) the forward computes each row's d log_probs / d hidden from the logits at hand instead, and the backward
-scales it (2 GEMM passes instead of 3); with ``entropy_grad=True`` (an entropy bonus will differentiate the
-entropy) also each row's d entropy / d hidden (3 passes instead of 4; its chunks are half as many rows, so the two
-logits-gradient tiles fit one chunk's budget). Under ``torch.no_grad()`` (or with inputs that need no gradient)
-nothing is kept for a backward.
+scales it (2 GEMM passes instead of 3). An entropy that is differentiated too needs the recomputing backward (its
+row gradient depends on the entropy, known only after a pass over the row); with ``entropy_grad=True`` (an entropy
+bonus will differentiate it) a frozen head's forward therefore computes nothing for the backward beyond the row
+statistics (3 GEMM passes and 2 passes over the logits in all, instead of 4 and 3). Under ``torch.no_grad()`` (or
+with inputs that need no gradient) nothing is kept for a backward.
 
 Gradient, with g = d/d log_probs and h = d/d entropy of row i and p = softmax(z):
     d/dz_j = g ([j == target] - p_j) - h p_j (log p_j + entropy)
@@ -237,13 +238,10 @@ def _transform_args(temperature, logit_scale, softcap):
     return (float(logit_scale), float(softcap or 1.0), 1.0 / float(temperature))
 
 
-def _chunks(hidden, weight, bias, valid, chunk_bytes, tiles=1):
-    """Yields (start, end, rows, h, logits) per chunk of the valid rows, with one set of reused buffers; ``tiles``
-    [rows, V] tensors per chunk share the budget (the rows are divided by it)."""
+def _chunks(hidden, weight, bias, valid, chunk_bytes):
+    """Yields (start, end, rows, h, logits) per chunk of the valid rows, with one set of reused buffers."""
     n_valid = valid.numel()
     rows_per_chunk = _rows_per_chunk(weight.shape[0], hidden.element_size(), chunk_bytes)
-    if tiles > 1:
-        rows_per_chunk = max(16, rows_per_chunk // tiles // 16 * 16)
     step = min(rows_per_chunk, max(n_valid, 1))
     logits_buf = hidden.new_empty((step, weight.shape[0]))
     h_buf = hidden.new_empty((step, hidden.shape[1]))
@@ -265,7 +263,7 @@ def _scatter(values, valid, n):
 
 # 4. custom ops and autograd -----------------------------------------------------------------------
 def _forward_fake(hidden, weight, bias, target, temperature, logit_scale, softcap, ignore_index, entropy,
-                  log_sum_sq_probs, mean_logits, is_top1, input_grad, entropy_input_grad, chunk_bytes):
+                  log_sum_sq_probs, mean_logits, is_top1, input_grad, chunk_bytes):
     n = hidden.shape[0]
     rows = hidden.new_empty(n, dtype=torch.float32)
 
@@ -273,23 +271,19 @@ def _forward_fake(hidden, weight, bias, target, temperature, logit_scale, softca
         return rows.new_empty(n if wanted else 0)
 
     return (rows, rows.new_empty((2, n)), extra(entropy), extra(log_sum_sq_probs), extra(mean_logits),
-            extra(is_top1), hidden.new_empty(hidden.shape if input_grad else 0),
-            hidden.new_empty(hidden.shape if entropy_input_grad else 0))
+            extra(is_top1), hidden.new_empty(hidden.shape if input_grad else 0))
 
 
 @custom_op("linear_log_probs_forward", _forward_fake)
 def _forward_op(
     hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, target: torch.Tensor,
     temperature: float, logit_scale: float, softcap: float | None, ignore_index: int, entropy: bool,
-    log_sum_sq_probs: bool, mean_logits: bool, is_top1: bool, input_grad: bool, entropy_input_grad: bool,
-    chunk_bytes: int | None,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
-           torch.Tensor]:
+    log_sum_sq_probs: bool, mean_logits: bool, is_top1: bool, input_grad: bool, chunk_bytes: int | None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Per-row log-probs, stats ([2, N]: row max of z and log sum exp(z - max)) and the requested extras
     (empty where not requested; is_top1 as 0./1.), all fp32, 0 on ignored rows. hidden, weight and bias
     share the GEMM dtype. ``input_grad``: also d log_probs / d hidden for each row ([N, H] in hidden's dtype,
-    0 on ignored rows; else empty), computed from the chunk's logits while they are at hand;
-    ``entropy_input_grad`` (needs entropy and input_grad): also d entropy / d hidden of each row, likewise."""
+    0 on ignored rows; else empty), computed from the chunk's logits while they are at hand."""
     n = hidden.shape[0]
     valid = _valid_rows(target, ignore_index)
     n_valid = valid.numel()
@@ -299,13 +293,10 @@ def _forward_op(
     extras = [torch.empty(n_valid if w else 0, **f32) for w in wanted]
     dummy = stats  # pointer for outputs not computed
     d_input = torch.zeros_like(hidden) if input_grad else hidden.new_empty(0)
-    d_input_ent = torch.zeros_like(hidden) if entropy_input_grad else hidden.new_empty(0)
     unit = torch.ones(n_valid, **f32) if input_grad else None  # d log_probs = 1 for every scored row
     transform = _transform_args(temperature, logit_scale, softcap)
     pressure = _forward_pressure(entropy, log_sum_sq_probs, mean_logits, is_top1, softcap)
-    tiles = 2 if entropy_input_grad else 1
-    ent_grad_buf = None
-    for start, end, rows, _h, logits in _chunks(hidden, weight, bias, valid, chunk_bytes, tiles):
+    for start, end, rows, _h, logits in _chunks(hidden, weight, bias, valid, chunk_bytes):
         count = end - start
         chunk = [e[start:end] if w else dummy for e, w in zip(extras, wanted)]
         chunk_stats = torch.empty((2, count), **f32)
@@ -314,15 +305,6 @@ def _forward_op(
             logits, logits.stride(0), chunk_target, logp[start:end], chunk_stats, *chunk, count, logits.shape[1],
             *transform, HAS_SOFTCAP=softcap is not None, HAS_ENTROPY=entropy, HAS_SQ=log_sum_sq_probs,
             HAS_MEAN=mean_logits, HAS_TOP1=is_top1, **_launch_config(logits.shape[1], pressure))
-        if entropy_input_grad:  # the logits gradient for d entropy = 1 (into a second tile), its input projection
-            if ent_grad_buf is None:
-                ent_grad_buf = torch.empty_like(logits)
-            ent_grad = ent_grad_buf[:count]
-            _backward_kernel[(count,)](
-                logits, logits.stride(0), ent_grad, ent_grad.stride(0), chunk_target, chunk_stats, chunk[0], dummy,
-                unit[start:end], count, logits.shape[1], *transform, HAS_SOFTCAP=softcap is not None,
-                HAS_D_LOGP=False, HAS_D_ENT=True, **_launch_config(logits.shape[1]))
-            d_input_ent.index_copy_(0, rows, ent_grad @ weight)
         if input_grad:  # the backward's logits gradient for d log_probs = 1, then its input projection
             _backward_kernel[(count,)](
                 logits, logits.stride(0), logits, logits.stride(0), chunk_target, chunk_stats, dummy,
@@ -333,7 +315,7 @@ def _forward_op(
         stats[:, start:end] = chunk_stats
     full_stats = stats.new_zeros((2, n)).index_copy_(1, valid, stats)
     return (_scatter(logp, valid, n), full_stats,
-            *(_scatter(e, valid, n) if w else e for e, w in zip(extras, wanted)), d_input, d_input_ent)
+            *(_scatter(e, valid, n) if w else e for e, w in zip(extras, wanted)), d_input)
 
 
 def _backward_fake(d_logp, d_ent, hidden, weight, bias, target, stats, ent, temperature, logit_scale, softcap,
@@ -391,23 +373,22 @@ class _LinearLogProbsFunction(torch.autograd.Function):
     A frozen head (only hidden needs a gradient: LoRA, QLoRA) also gets d log_probs / d hidden of each row
     in the forward, from the logits the forward computed anyway: the gradient is linear in each row's
     incoming d_logp, so the backward is one scaling (no recomputed logits, 2 GEMMs in all instead of 3),
-    for one [N, H] tensor kept until then. With ``entropy_grad`` the forward computes d entropy / d hidden
-    too (a second [N, H] tensor, 3 GEMMs instead of the recomputing backward's 4). An entropy that receives a
-    gradient without it takes the recomputing backward (so does any call under torch.compile without it, whose
-    autograd sends the entropy's unused gradient as zeros)."""
+    for one [N, H] tensor kept until then. An entropy that receives a gradient takes the recomputing backward
+    (so does any call under torch.compile, whose autograd sends the entropy's unused gradient as zeros): the
+    caller passes ``input_grad=False`` when it expects one (3 GEMMs in all), else the forward's row gradient
+    was computed for nothing (4)."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, bias, target, params, wanted, dw_fp32, chunk_bytes, input_grad, entropy_grad):
-        # input_grad: only hidden needs a gradient (the caller decides it from requires_grad); entropy_grad (with
-        # input_grad and an entropy requested): the caller expects the entropy to be differentiated
+    def forward(ctx, hidden, weight, bias, target, params, wanted, dw_fp32, chunk_bytes, input_grad):
+        # input_grad: compute d log_probs / d hidden in the forward (only hidden needs a gradient, and the caller
+        # expects no gradient on the entropy)
         ctx.set_materialize_grads(False)  # an entropy only logged sends no zeros back
         ctx.params, ctx.dw_fp32, ctx.chunk_bytes = params, dw_fp32, chunk_bytes
         ctx.bias_dtype = bias.dtype if bias is not None else None
         w, b, _ = _compute_operands(hidden, weight, bias, dw_fp32)
-        logp, stats, ent, sq, mean, top1, d_input, d_input_ent = _forward_op(
-            hidden, w, b, target, *params, *wanted, input_grad, entropy_grad, chunk_bytes)
-        ctx.save_for_backward(hidden, weight, bias, target, stats, ent, d_input if input_grad else None,
-                              d_input_ent if entropy_grad else None)
+        logp, stats, ent, sq, mean, top1, d_input = _forward_op(
+            hidden, w, b, target, *params, *wanted, input_grad, chunk_bytes)
+        ctx.save_for_backward(hidden, weight, bias, target, stats, ent, d_input if input_grad else None)
         ctx.mark_non_differentiable(stats, sq, mean, top1)
         return logp, stats, ent, sq, mean, top1
 
@@ -415,16 +396,12 @@ class _LinearLogProbsFunction(torch.autograd.Function):
     def backward(ctx, d_logp, _d_stats, d_ent, *_):
         want = tuple(ctx.needs_input_grad[:3])
         if (d_logp is None and d_ent is None) or not any(want):
-            return (None,) * 10
-        hidden, weight, bias, target, stats, ent, d_input, d_input_ent = ctx.saved_tensors
-        if d_input is not None and (d_ent is None or d_input_ent is not None):
-            # a frozen head: d_input (d_input_ent) holds each row's gradient for d_logp = 1 (d_ent = 1)
-            dh = None
-            for row_grad, d in ((d_input, d_logp), (d_input_ent, d_ent)):
-                if d is not None:
-                    term = row_grad.float() * d.float()[:, None]
-                    dh = term if dh is None else dh.add_(term)
-            return dh.to(hidden.dtype), None, None, None, None, None, None, None, None, None
+            return (None,) * 9
+        hidden, weight, bias, target, stats, ent, d_input = ctx.saved_tensors
+        if d_input is not None and d_ent is None:
+            # a frozen head: d_input holds each row's gradient for d_logp = 1
+            dh = (d_input.float() * d_logp.float()[:, None]).to(hidden.dtype)
+            return dh, None, None, None, None, None, None, None, None
         empty = stats.new_empty(0)
         grads = _backward_op(d_logp.contiguous() if d_logp is not None else empty,
                              d_ent.contiguous() if d_ent is not None else empty, hidden, weight, bias, target, stats,
@@ -432,7 +409,7 @@ class _LinearLogProbsFunction(torch.autograd.Function):
         dh, dw, db = (g if w else None for g, w in zip(grads, want))
         if db is not None:
             db = db.to(ctx.bias_dtype)
-        return dh, dw, db, None, None, None, None, None, None, None
+        return dh, dw, db, None, None, None, None, None, None
 
 
 # 5. public function -------------------------------------------------------------------------------
@@ -461,8 +438,8 @@ def linear_log_probs(
     entropy are differentiable (w.r.t. hidden, weight and bias). ``accum_dtype=torch.float32`` accumulates a
     bf16/fp16 weight's gradient in fp32 across chunks; ``chunk_bytes`` bounds one [rows, V] logits chunk
     (default: ``linear_cross_entropy``'s budget). ``entropy_grad=True`` says that the entropy will be
-    differentiated (an entropy bonus): for a frozen head the forward then computes its gradient too (see the
-    module docstring); a wrong hint costs time, never correctness.
+    differentiated (an entropy bonus): a frozen head's forward then leaves the whole gradient to the
+    recomputing backward (see the module docstring); a wrong hint costs time, never correctness.
     """
     op = "linear_log_probs"
     check_float_tensor(op, "hidden", hidden)
@@ -512,14 +489,13 @@ def linear_log_probs(
     with torch.autocast(device_type, enabled=False):
         if needs_grad:
             input_grad = hidden2.requires_grad and not weight.requires_grad and not (
-                bias is not None and bias.requires_grad)
+                bias is not None and bias.requires_grad) and not entropy_grad
             logp, _, ent, sq, mean, top1 = _LinearLogProbsFunction.apply(
-                hidden2, weight, bias, target1, params, wanted, dw_fp32, chunk_bytes, input_grad,
-                input_grad and bool(entropy_grad))
+                hidden2, weight, bias, target1, params, wanted, dw_fp32, chunk_bytes, input_grad)
         else:  # nothing saved for a backward
             w, b, _ = _compute_operands(hidden2, weight, bias, dw_fp32)
-            logp, _, ent, sq, mean, top1, _, _ = _forward_op(hidden2, w, b, target1, *params, *wanted, False, False,
-                                                             chunk_bytes)
+            logp, _, ent, sq, mean, top1, _ = _forward_op(hidden2, w, b, target1, *params, *wanted, False,
+                                                          chunk_bytes)
     shape = target.shape
     return LogProbs(logp.view(shape), *(e.view(shape) if w else None for e, w in zip((ent, sq, mean), wanted[:3])),
                     top1.view(shape).bool() if wanted[3] else None)
