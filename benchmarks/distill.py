@@ -41,7 +41,7 @@ from pathlib import Path
 import torch
 
 SETTINGS = {  # student, teacher, batch, prompt length, completion length
-    "h200": ("llama8b-8l", "llama1b", 4, 256, 1792),
+    "8b-8l": ("llama8b-8l", "llama1b", 4, 256, 1792),
     "tiny": ("tiny", "tiny", 2, 16, 24),
 }
 TINY_TEACHER = dict(hidden_size=32, intermediate_size=48, head_dim=8)  # narrower than the tiny student
@@ -227,7 +227,7 @@ def _child(variant: str, args, check: bool) -> dict:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--setting", choices=sorted(SETTINGS), default="h200")
+    parser.add_argument("--setting", choices=sorted(SETTINGS), default="8b-8l")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--variants", nargs="+", choices=VARIANTS, default=["trl", "foak"])
     parser.add_argument("--beta", type=float, default=0.5)
@@ -273,11 +273,16 @@ def main() -> int:
         for variant in variants:
             rows[variant] = _child(variant, args, check=False)
             checks.check(f"{variant}: timed", "error" not in rows[variant], error=rows[variant].get("error"))
-    result = {"setting": args.setting, "student": SETTINGS[args.setting][0], "teacher": SETTINGS[args.setting][1],
-              "batch": SETTINGS[args.setting][2:], "checks": checks, "op": op, "runs": rows}
+    from foak.bench.measure import environment
+
+    env = environment()
+    result = {"environment": env, "setting": args.setting, "student": SETTINGS[args.setting][0],
+              "teacher": SETTINGS[args.setting][1], "batch": SETTINGS[args.setting][2:], "checks": checks, "op": op,
+              "runs": rows}
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    name = f"distill_{args.setting}_beta{args.beta:g}{'_checkpointing' if args.checkpointing else ''}.json"
+    gpu = next((tag for tag in ("h200", "h100", "a100") if tag in str(env.get("gpu")).lower()), "cpu")
+    name = f"distill_{gpu}_{args.setting}_beta{args.beta:g}{'_checkpointing' if args.checkpointing else ''}.json"
     (out / name).write_text(json.dumps(result, indent=1))
     base = rows.get("trl", {}).get("tokens_per_s")
     print(f"\n{checks.summary()}; {out / name}")
