@@ -273,7 +273,7 @@ def main() -> int:
         for variant in variants:
             rows[variant] = _child(variant, args, check=False)
             checks.check(f"{variant}: timed", "error" not in rows[variant], error=rows[variant].get("error"))
-    from foak.bench.measure import environment
+    from foak.bench.measure import environment, gpu_tag
 
     env = environment()
     result = {"environment": env, "setting": args.setting, "student": SETTINGS[args.setting][0],
@@ -281,8 +281,8 @@ def main() -> int:
               "runs": rows}
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    gpu = next((tag for tag in ("h200", "h100", "a100") if tag in str(env.get("gpu")).lower()), "cpu")
-    name = f"distill_{gpu}_{args.setting}_beta{args.beta:g}{'_checkpointing' if args.checkpointing else ''}.json"
+    suffix = "_checkpointing" if args.checkpointing else ""
+    name = f"distill_{gpu_tag(env.get('gpu'))}_{args.setting}_beta{args.beta:g}{suffix}.json"
     (out / name).write_text(json.dumps(result, indent=1))
     base = rows.get("trl", {}).get("tokens_per_s")
     print(f"\n{checks.summary()}; {out / name}")

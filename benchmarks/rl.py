@@ -368,7 +368,9 @@ def main() -> int:
     selection = "_".join("-".join(x) for x in (args.trainers, args.models, args.modes))
     selection += f"_grpo-beta{args.grpo_beta:g}" if args.grpo_beta and "grpo" in args.trainers else ""
     environment = _environment()
-    gpu = next((tag for tag in ("h200", "h100", "a100") if tag in str(environment.get("gpu")).lower()), "gpu")
+    from foak.bench.measure import gpu_tag
+
+    gpu = gpu_tag(environment.get("gpu"))
     name = "rl_smoke" if smoke else (f"rl_{gpu}_check_" + "-".join(args.trainers) if args.check_only
                                      else f"rl_{gpu}_" + selection)
     path = Path(args.out) / f"{name}.json"

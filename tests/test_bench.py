@@ -389,3 +389,11 @@ def test_gemm_shapes_and_layouts_count_each_product_by_shape_and_layout():
     assert counted == {("aten.mm", "[[4, 1], [5, 1]]"): 2, ("aten.mm", "[[4, 1], [1, 4]]"): 1,
                        ("aten.addmm", "[[5, 1], [4, 1], [5, 1]]"): 1}
     assert all(set(r["aligned"]) <= {"a", "u"} for r in layouts.rows())
+
+
+def test_gpu_tag_names_result_files_by_card():
+    from foak.bench.measure import gpu_tag
+
+    assert gpu_tag("NVIDIA H100 80GB HBM3") == "h100" and gpu_tag("NVIDIA H200") == "h200"
+    assert gpu_tag("NVIDIA A100-SXM4-80GB") == "a100" and gpu_tag("NVIDIA L4") == "gpu"
+    assert gpu_tag(None) == "cpu" and gpu_tag("cpu") == "cpu"

@@ -390,6 +390,15 @@ def environment(init_cuda: bool = True) -> dict:
     return env
 
 
+def gpu_tag(gpu_name: str | None) -> str:
+    """A short tag for result file names: 'h200', 'h100', 'a100', 'gpu' (another GPU) or 'cpu' (``None`` or
+    'cpu', as :func:`environment` records a machine without one)."""
+    name = str(gpu_name).lower()
+    if gpu_name is None or name == "cpu":
+        return "cpu"
+    return next((tag for tag in ("h200", "h100", "a100") if tag in name), "gpu")
+
+
 # ---- correctness checks of the benchmark scripts --------------------------------------------------------
 class CheckLog(list):
     """The records of a script's checks, one ``{"check": name, "ok": bool, **numbers}`` dict each (a list, so
