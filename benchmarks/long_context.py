@@ -309,14 +309,47 @@ def alloc_conf() -> str:
     return "expandable_segments:True" + ("," + PINNED_HOST_TEXT if extra else "")
 
 
+def host_available_gib() -> float | None:
+    """The host's MemAvailable (GiB) from /proc/meminfo; None where there is none."""
+    try:
+        with open("/proc/meminfo") as f:
+            return next(int(line.split()[1]) for line in f if line.startswith("MemAvailable:")) / 2**20
+    except (OSError, StopIteration):
+        return None
+
+
 def run_child(args: list[str], timeout: float) -> tuple[dict | None, str]:
-    """This script in a new process; its RESULT line as a dict (None if it printed none) and the last line."""
+    """This script in a new process; its RESULT line as a dict (None if it printed none) and what ended it: the
+    last line of its output and, when it printed no result, its exit status (a signal by name: SIGKILL is most
+    often the host's OOM killer) and the lowest host MemAvailable seen while it ran (sampled every second)."""
+    import signal
     command = [sys.executable, __file__, *args]
-    done = subprocess.run(command, capture_output=True, text=True, timeout=timeout,
-                          env=dict(os.environ, PYTORCH_CUDA_ALLOC_CONF=alloc_conf()))
-    line = next((text for text in done.stdout.splitlines() if text.startswith("RESULT ")), None)
-    tail = (done.stderr or done.stdout).strip().splitlines()[-1:] or ["no output"]
-    return (json.loads(line[len("RESULT "):]) if line else None), tail[0][:300]
+    with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
+        child = subprocess.Popen(command, stdout=out, stderr=err, text=True,
+                                 env=dict(os.environ, PYTORCH_CUDA_ALLOC_CONF=alloc_conf()))
+        end, lowest = time.monotonic() + timeout, host_available_gib()
+        while child.poll() is None:
+            if time.monotonic() > end:
+                child.kill()
+                child.wait()
+                raise subprocess.TimeoutExpired(command, timeout)
+            time.sleep(1)
+            now = host_available_gib()
+            lowest = now if lowest is None or (now is not None and now < lowest) else lowest
+        out.seek(0)
+        err.seek(0)
+        stdout, stderr = out.read(), err.read()
+    line = next((text for text in stdout.splitlines() if text.startswith("RESULT ")), None)
+    if line:
+        record = json.loads(line[len("RESULT "):])
+        if isinstance(record, dict) and lowest is not None:
+            record["host_min_available_gib"] = round(lowest, 1)
+        return record, ""
+    tail = ((stderr or stdout).strip().splitlines()[-1:] or ["no output"])[0][:300]
+    code = child.returncode
+    status = f"killed by {signal.Signals(-code).name}" if code < 0 else f"exit {code}"
+    host = f", host MemAvailable fell to {lowest:.1f} GiB" if lowest is not None else ""
+    return None, f"{status}{host}; last line: {tail}"
 
 
 def check_unsloth_env(model_dir: str, timeout: float, smoke: bool) -> list[dict]:
