@@ -123,7 +123,27 @@ def measure(model, framework: str, length: int, ids, smoke: bool, warmup: int, q
                                                               "host_alloc_time.total")}
         except (AttributeError, RuntimeError):
             pass
+        if PROFILE:
+            record["profile"] = profile_step(model, ids)
     return record
+
+
+PROFILE = False  # --profile: one more step under torch.profiler after the timed one
+
+
+def profile_step(model, ids, top: int = 30) -> list[dict]:
+    """One more forward + backward under torch.profiler: its `top` CUDA kernels by GPU time (foak.bench.measure's
+    kernel_times rows, the step's total first)."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    from foak.bench.measure import kernel_times
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        model(input_ids=ids, labels=ids).loss.backward()
+        model.zero_grad(set_to_none=True)
+        torch.cuda.synchronize()
+    return kernel_times(prof, top=top)
 
 
 def one_run(framework: str, length: int, reentrant: bool, smoke: bool, budget_gib: float | None = None,
@@ -488,6 +508,8 @@ def main() -> None:
     parser.add_argument("--timeout", type=float, default=300)
     parser.add_argument("--stop-on-fail", action="store_true",
                         help="after a framework fails (OOM, timeout) at one length, skip its longer lengths")
+    parser.add_argument("--profile", action="store_true",
+                        help="GPU: one more step under torch.profiler; its top kernels go into the record")
     parser.add_argument("--warmup-steps", type=int, default=0, help="untimed steps before the measured one")
     parser.add_argument("--offload-budget-gib", type=float, default=None,
                         help="foak-offload: host memory for offloaded layer inputs (default: half the available RAM)")
@@ -504,6 +526,8 @@ def main() -> None:
     parser.add_argument("--dims", choices=["8b", "tiny", "check"], default=None, help=argparse.SUPPRESS)
     parser.add_argument("--loss-length", type=int, default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
+    global PROFILE
+    PROFILE = args.profile
     if args.pinned_register:
         os.environ["FOAK_BENCH_PINNED_REGISTER"] = "1"
     if args.pin_probe is not None:
@@ -561,7 +585,7 @@ def main() -> None:
                 continue
             command = ["--one", framework, str(length)]
             command += ["--reentrant"] * args.reentrant + ["--cpu-smoke"] * args.cpu_smoke + ["--qlora"] * args.qlora
-            command += ["--warmup-steps", str(args.warmup_steps)]
+            command += ["--warmup-steps", str(args.warmup_steps)] + ["--profile"] * args.profile
             if args.offload_budget_gib is not None:
                 command += ["--offload-budget-gib", str(args.offload_budget_gib)]
             if framework in UNSLOTH_FRAMEWORKS:
