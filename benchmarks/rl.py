@@ -16,7 +16,8 @@ Modes: ``full`` (every weight trained; DPO's reference model is a second copy, w
 (PEFT LoRA r16 on every linear layer of the decoder; TRL 1.16's DPO keeps a frozen copy of the initial adapter,
 named "ref", and switches to it for the reference forward).
 Variants: ``trl`` (TRL alone), ``liger`` (``use_liger_kernel=True``: TRL 1.16 applies Liger's layer kernels, keeping
-its own fused LM head), ``foak`` (``foak.patch`` with foak's defaults on the policy, and on DPO's reference model).
+its own fused LM head), ``foak`` (``foak.patch`` with foak's defaults on the policy, and on DPO's reference model);
+``foak-tiled`` (not run by default: the defaults + ``tiled_mlp``, the MLP in sequence chunks).
 
 - DPO: 2 pairs per step, prompt 1024 + chosen 1024 and prompt 1024 + rejected 1024 tokens (2 x 2 sequences of 2048
   tokens = 8192 tokens per step through the policy, and as many through the reference model).
@@ -54,7 +55,8 @@ import sys
 import time
 from pathlib import Path
 
-TRAINERS, MODES, VARIANTS = ("dpo", "grpo"), ("full", "lora"), ("trl", "liger", "foak")
+TRAINERS, MODES, VARIANTS = ("dpo", "grpo"), ("full", "lora"), ("trl", "liger", "foak", "foak-tiled")
+DEFAULT_VARIANTS = ("trl", "liger", "foak")
 MODELS = ("llama1b", "llama8b-8l")
 LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 # sequence shapes: (prompt tokens, completion tokens); DPO pairs per step, GRPO completions per prompt
@@ -66,6 +68,21 @@ TIMINGS = {"step_time", "train_runtime", "train_samples_per_second", "train_step
 CHECK_RTOL, CHECK_ATOL = 1e-4, 1e-5
 SERVED = re.compile(r"served TRL's fused LM head \((\d+) calls?\)")
 FALLBACK = re.compile(r"TRL's own kernel ran (\d+) calls?")
+
+
+def _foak_patch(model, variant: str, precision: str):
+    """foak.patch with foak's defaults; ``foak-tiled``: the defaults + ``tiled_mlp`` (the MLP in sequence chunks,
+    forward and recompute: no whole [tokens, intermediate] tensor)."""
+    import foak
+
+    if variant != "foak-tiled":
+        return foak.patch(model, mixed_precision=precision)
+    from foak.api import default_config
+    from foak.config import config_from_kwargs
+
+    defaults = default_config(model)
+    switches = {**defaults.model_dump(exclude={"mode"}), "tiled_mlp": True}
+    return foak.patch(model, config_from_kwargs(defaults.mode, **switches), mixed_precision=precision)
 
 
 def _model(name: str, kind: str, device: str, dtype):
@@ -135,15 +152,15 @@ def one_run(trainer_name: str, model_name: str, mode: str, variant: str, kind: s
         model = peft.get_peft_model(model, peft.LoraConfig(r=16, lora_alpha=16, target_modules=LORA_TARGETS,
                                                            lora_dropout=0.0))
     reports = {}
-    if variant == "foak":
+    if variant.startswith("foak"):
         import foak
 
         if kind == "smoke":  # the code paths only: foak's torch reference ops (the kernels have their own tests)
             foak.set_backend("reference")
         precision = "bf16" if bf16 else "no"
-        reports["policy"] = foak.patch(model, mixed_precision=precision)
+        reports["policy"] = _foak_patch(model, variant, precision)
         if ref_model is not None:
-            reports["reference"] = foak.patch(ref_model, mixed_precision=precision)
+            reports["reference"] = _foak_patch(ref_model, variant, precision)
 
     step_times, kernels, gemms, layouts = [], [], [], []
 
@@ -220,8 +237,8 @@ def one_run(trainer_name: str, model_name: str, mode: str, variant: str, kind: s
         trainer = trl.GRPOTrainer(model=model, reward_funcs=reward, args=config,
                                   train_dataset=datasets.Dataset.from_dict({"prompt": prompts}),
                                   processing_class=tokenizer, rollout_func=rollout, callbacks=[Timer()])
-        if variant == "foak" and trainer.ref_model is not None:  # the trainer's own reference model
-            reports["reference"] = foak.patch(trainer.ref_model, mixed_precision="bf16" if bf16 else "no")
+        if variant.startswith("foak") and trainer.ref_model is not None:  # the trainer's own reference model
+            reports["reference"] = _foak_patch(trainer.ref_model, variant, "bf16" if bf16 else "no")
         tokens_per_step = GRPO_COMPLETIONS * (prompt_len + completion_len)
     trainer.train()
     timed = step_times[warmup:]
@@ -307,7 +324,7 @@ def main() -> int:
     parser.add_argument("--trainers", nargs="+", default=list(TRAINERS), choices=TRAINERS)
     parser.add_argument("--models", nargs="+", default=list(MODELS), choices=MODELS)
     parser.add_argument("--modes", nargs="+", default=list(MODES), choices=MODES)
-    parser.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=VARIANTS)
+    parser.add_argument("--variants", nargs="+", default=list(DEFAULT_VARIANTS), choices=VARIANTS)
     parser.add_argument("--cpu-smoke", action="store_true", help="tiny dims on the CPU (liger left out)")
     parser.add_argument("--skip-check", action="store_true")
     parser.add_argument("--check-only", action="store_true")
@@ -340,7 +357,7 @@ def main() -> int:
                 if "error" not in record and ref is not None and "error" not in ref:
                     record["distance"], record["worst"] = _distance(record["metrics"], ref["metrics"])
                     record["ok"] = record["distance"] <= CHECK_RTOL and (
-                        variant != "foak" or record["trl_kernel_calls"] == 0)
+                        not variant.startswith("foak") or record["trl_kernel_calls"] == 0)
                 else:
                     record["ok"] = False
                 checks.append(record)
@@ -379,7 +396,7 @@ def main() -> int:
     print("| check | variant | ok | largest distance from TRL alone (step:metric) | TRL kernel calls | foak served |")
     print("|---|---|---|---|---|---|")
     for r in checks:
-        served = r.get("foak_served_policy", "") if r["variant"] == "foak" else ""
+        served = r.get("foak_served_policy", "") if r["variant"].startswith("foak") else ""
         distance = r.get("error") or "{:.1e} ({})".format(r.get("distance", 0.0), r.get("worst", ""))
         print(f"| {r['trainer']} fp32 | {r['variant']} | {'yes' if r['ok'] else 'NO'} | {distance} | "
               f"{r.get('trl_kernel_calls', '')} | {served} |")
@@ -393,7 +410,7 @@ def main() -> int:
             continue
         peak = f"{r['peak_gib']:.1f}" if r.get("peak_gib") else "-"
         served = (f"{r.get('foak_served_policy', 0)}/{r.get('foak_served_reference', '-')}"
-                  if r["variant"] == "foak" else "")
+                  if r["variant"].startswith("foak") else "")
         print(f"| {r['trainer']} | {r['model']} | {r['mode']} | {r['variant']} | {r['tokens_per_s']:.0f} | "
               f"{r.get('speedup', float('nan')):.2f} | {peak} | {r.get('memory_ratio', float('nan')):.2f} | "
               f"{r.get('step1_distance', float('nan')):.1e} | {r['trl_kernel_calls']} | {served} |")
