@@ -4,6 +4,10 @@ run).
 
 Setup (the long-context issue's): Llama-3.1-8B dims, all 32 layers, vocab 128256, bf16 weights, PEFT LoRA r16 on
 every linear layer, HF gradient checkpointing (non-reentrant unless --reentrant), batch 1, random tokens, sdpa.
+No autocast by default: PEFT's adapters are fp32 (its default) on the bf16 base, and PEFT (with foak following its
+arithmetic) sums their fp32 products into the bf16 outputs, while Unsloth casts its adapters to bf16; ``--autocast``
+runs every step under torch.autocast(bf16), as HF's Trainer(bf16=True) does, where every framework's adapter GEMMs
+are bf16. ``--profile`` adds one profiled step per run (its top kernels in the record).
 
     python benchmarks/long_context.py --out $OUT --lengths 131072 196608 --frameworks foak liger
     python benchmarks/long_context.py --cpu-smoke            # tiny dims on CPU: the code path only
@@ -93,24 +97,32 @@ def token_ids(vocab_size: int, length: int, device: str):
 
 def measure(model, framework: str, length: int, ids, smoke: bool, warmup: int, qlora: bool,
             reentrant: bool) -> dict:
-    """Untimed warm-up steps, then one timed forward + backward; the peak over that step."""
+    """Untimed warm-up steps, then one timed forward + backward; the peak over that step. With --autocast every
+    step runs under torch.autocast(bf16), as HF's Trainer(bf16=True) runs its forward."""
+    import contextlib
+
     import torch
 
+    def step():
+        with torch.autocast(ids.device.type, dtype=torch.bfloat16) if AUTOCAST else contextlib.nullcontext():
+            loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        return loss
+
     for _ in range(warmup):  # e.g. the first step's pinned host allocations (foak-offload) left out of the timing
-        model(input_ids=ids, labels=ids).loss.backward()
+        step()
         model.zero_grad(set_to_none=True)
     if not smoke:
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
         base = torch.cuda.memory_allocated()
     start = time.perf_counter()
-    loss = model(input_ids=ids, labels=ids).loss
-    loss.backward()
+    loss = step()
     if not smoke:
         torch.cuda.synchronize()
     seconds = time.perf_counter() - start
     record = {"framework": framework, "length": length, "reentrant": reentrant, "warmup_steps": warmup,
-              "base": "nf4" if qlora else "bf16",
+              "base": "nf4" if qlora else "bf16", "autocast": AUTOCAST,
               "loss": float(loss.detach()),
               "step_s": seconds, "tokens_per_s": length / seconds}
     if not smoke:
@@ -124,24 +136,25 @@ def measure(model, framework: str, length: int, ids, smoke: bool, warmup: int, q
         except (AttributeError, RuntimeError):
             pass
         if PROFILE:
-            record["profile"] = profile_step(model, ids)
+            model.zero_grad(set_to_none=True)
+            record["profile"] = profile_step(step)
     return record
 
 
 PROFILE = False  # --profile: one more step under torch.profiler after the timed one
+AUTOCAST = False  # --autocast: every step under torch.autocast(bf16), as HF's Trainer(bf16=True) runs it
 
 
-def profile_step(model, ids, top: int = 30) -> list[dict]:
-    """One more forward + backward under torch.profiler: its `top` CUDA kernels by GPU time (foak.bench.measure's
-    kernel_times rows, the step's total first)."""
+def profile_step(step, top: int = 30) -> list[dict]:
+    """One more ``step()`` (forward + backward) under torch.profiler: its `top` CUDA kernels by GPU time
+    (foak.bench.measure's kernel_times rows, the step's total first)."""
     import torch
     from torch.profiler import ProfilerActivity, profile
 
     from foak.bench.measure import kernel_times
 
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        model(input_ids=ids, labels=ids).loss.backward()
-        model.zero_grad(set_to_none=True)
+        step()
         torch.cuda.synchronize()
     return kernel_times(prof, top=top)
 
@@ -508,6 +521,9 @@ def main() -> None:
     parser.add_argument("--timeout", type=float, default=300)
     parser.add_argument("--stop-on-fail", action="store_true",
                         help="after a framework fails (OOM, timeout) at one length, skip its longer lengths")
+    parser.add_argument("--autocast", action="store_true",
+                        help="every step under torch.autocast(bf16), as HF's Trainer(bf16=True) runs its forward "
+                             "(PEFT's fp32 adapters then compute in bf16)")
     parser.add_argument("--profile", action="store_true",
                         help="GPU: one more step under torch.profiler; its top kernels go into the record")
     parser.add_argument("--warmup-steps", type=int, default=0, help="untimed steps before the measured one")
@@ -526,8 +542,8 @@ def main() -> None:
     parser.add_argument("--dims", choices=["8b", "tiny", "check"], default=None, help=argparse.SUPPRESS)
     parser.add_argument("--loss-length", type=int, default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
-    global PROFILE
-    PROFILE = args.profile
+    global PROFILE, AUTOCAST
+    PROFILE, AUTOCAST = args.profile, args.autocast
     if args.pinned_register:
         os.environ["FOAK_BENCH_PINNED_REGISTER"] = "1"
     if args.pin_probe is not None:
@@ -585,7 +601,8 @@ def main() -> None:
                 continue
             command = ["--one", framework, str(length)]
             command += ["--reentrant"] * args.reentrant + ["--cpu-smoke"] * args.cpu_smoke + ["--qlora"] * args.qlora
-            command += ["--warmup-steps", str(args.warmup_steps)] + ["--profile"] * args.profile
+            command += ["--warmup-steps", str(args.warmup_steps)]
+            command += ["--profile"] * args.profile + ["--autocast"] * args.autocast
             if args.offload_budget_gib is not None:
                 command += ["--offload-budget-gib", str(args.offload_budget_gib)]
             if framework in UNSLOTH_FRAMEWORKS:
