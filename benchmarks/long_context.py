@@ -50,6 +50,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import subprocess
 import sys
 import tempfile
@@ -185,11 +186,9 @@ def one_run(framework: str, length: int, reentrant: bool, smoke: bool, budget_gi
         raise ValueError(f"framework {framework!r}: the only option is +cudnn")
     if base in ("foak", "foak-offload", "foak-tiled", "foak-long"):
         import foak
-        from foak.config import config_from_kwargs
         from foak.api import default_config
 
         # foak-offload: + offload_activations; foak-tiled: + tiled_mlp (chunks of the hidden size); foak-long: both
-        acceleration = default_config(model)
         extra = {}
         if base in ("foak-offload", "foak-long"):
             extra.update(offload_activations=True, offload_budget_gib=budget_gib)
@@ -197,10 +196,7 @@ def one_run(framework: str, length: int, reentrant: bool, smoke: bool, budget_gi
             extra.update(tiled_mlp=True)
         if option == "cudnn":
             extra.update(fast_packed_attention=True, cudnn_attention=True)
-        if extra:
-            switches = {**acceleration.model_dump(exclude={"mode"}), **extra}
-            acceleration = config_from_kwargs(acceleration.mode, **switches)
-        report = foak.patch(model, acceleration)
+        report = foak.patch(model, default_config(model, **extra))
     ids = token_ids(config.vocab_size, length, device)
     record = measure(model, framework, length, ids, smoke, warmup, qlora, reentrant)
     if report is not None:
@@ -355,7 +351,6 @@ def run_child(args: list[str], timeout: float) -> tuple[dict | None, str]:
     """This script in a new process; its RESULT line as a dict (None if it printed none) and what ended it: the
     last line of its output and, when it printed no result, its exit status (a signal by name: SIGKILL is most
     often the host's OOM killer) and the lowest host MemAvailable seen while it ran (sampled every second)."""
-    import signal
     command = [sys.executable, __file__, *args]
     with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
         child = subprocess.Popen(command, stdout=out, stderr=err, text=True,
@@ -368,7 +363,8 @@ def run_child(args: list[str], timeout: float) -> tuple[dict | None, str]:
                 raise subprocess.TimeoutExpired(command, timeout)
             time.sleep(1)
             now = host_available_gib()
-            lowest = now if lowest is None or (now is not None and now < lowest) else lowest
+            if now is not None and (lowest is None or now < lowest):
+                lowest = now
         out.seek(0)
         err.seek(0)
         stdout, stderr = out.read(), err.read()

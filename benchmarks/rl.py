@@ -74,15 +74,10 @@ def _foak_patch(model, variant: str, precision: str):
     """foak.patch with foak's defaults; ``foak-tiled``: the defaults + ``tiled_mlp`` (the MLP in sequence chunks,
     forward and recompute: no whole [tokens, intermediate] tensor)."""
     import foak
-
-    if variant != "foak-tiled":
-        return foak.patch(model, mixed_precision=precision)
     from foak.api import default_config
-    from foak.config import config_from_kwargs
 
-    defaults = default_config(model)
-    switches = {**defaults.model_dump(exclude={"mode"}), "tiled_mlp": True}
-    return foak.patch(model, config_from_kwargs(defaults.mode, **switches), mixed_precision=precision)
+    extra = {"tiled_mlp": True} if variant == "foak-tiled" else {}
+    return foak.patch(model, default_config(model, **extra), mixed_precision=precision)
 
 
 def _model(name: str, kind: str, device: str, dtype):

@@ -142,6 +142,18 @@ def test_foak_patch_without_a_config_enables_every_switch_for_the_model():
         foak.patch(transformers.GPT2LMHeadModel(transformers.GPT2Config(n_embd=16, n_layer=1, n_head=2)))
 
 
+def test_default_config_overrides_replace_only_the_switches_given():
+    import peft
+
+    from foak.api import default_config
+
+    lora = peft.get_peft_model(tiny_model("llama"), peft.LoraConfig(r=2, target_modules=["q_proj", "v_proj"]))
+    cfg = default_config(lora, tiled_mlp=True, fast_rope_embeddings=False)
+    assert cfg.mode == "peft" and cfg.enabled_rules() == default_config(lora).enabled_rules() - {"rope"} | {"tiled_mlp"}
+    with pytest.raises(ValueError, match="tiled_mlpp"):
+        default_config(lora, tiled_mlpp=True)
+
+
 # ---- 2. both spellings, foak's defaults never override, --help ------------------------------------------
 def test_both_spellings_of_every_option_and_no_default_overrides_the_user(tmp_path):
     given = {"output_dir": str(tmp_path / "dash"), "report_to": "tensorboard", "save_strategy": "steps",

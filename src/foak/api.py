@@ -19,7 +19,7 @@ from foak.patching.rules import _STATE_ATTR, PatchReport, RuleResult, apply, is_
 NOT_IMPLEMENTED: dict[str, str] = {}
 
 
-def default_config(model):
+def default_config(model, **overrides):
     """The AccelerationConfig of every switch foak has for ``model``'s architecture: ``fast_rms_layernorm``,
     ``fast_rope_embeddings``, ``fast_swiglu``, ``fast_moe``, ``fast_packed_attention`` (acts on packed batches
     only) where the architecture has rules for them,
@@ -29,7 +29,8 @@ def default_config(model):
     NOT_IMPLEMENTED. Each rule computes exactly what the module it replaces would in every weight dtype and
     mixed precision foak takes, and takes the original path (counted in the report) where it cannot;
     ``patch(..., mixed_precision=...)`` checks the dtype combination itself. A ValueError for an architecture
-    foak has no rules for."""
+    foak has no rules for. Keyword ``overrides`` (``tiled_mlp=True``, ``fast_rope_embeddings=False``, ...) replace
+    the defaults of those switches, validated as any config (the stanza stays the default's)."""
     from foak.config import SWITCH_TO_RULE, config_from_kwargs
     from foak.models import rules_for
     from foak.patching.peft import is_peft_model
@@ -47,7 +48,10 @@ def default_config(model):
         elif "loss" in available:
             available.discard("fused_linear_loss")
     switches = {key: True for key, rule in SWITCH_TO_RULE.items() if rule in available}
-    return config_from_kwargs("peft" if peft else "full", **switches)
+    config = config_from_kwargs("peft" if peft else "full", **switches)
+    if not overrides:
+        return config
+    return config_from_kwargs(config.mode, **{**config.model_dump(exclude={"mode"}), **overrides})
 
 
 def rules_of(model, offload: bool = False, offload_budget_gib: float | None = None) -> list:

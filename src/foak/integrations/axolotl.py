@@ -222,17 +222,13 @@ def resolve_config(model, switches: Mapping[str, Any] | None):
     """The AccelerationConfig foak patches ``model`` with: foak.patch's defaults for it
     (foak.api.default_config), each switch in ``switches`` overriding its default. Setting one of
     fused_linear_loss / fast_loss true turns the other off (they exclude each other)."""
-    from foak.config import config_from_kwargs
     from foak.api import default_config
 
-    base = default_config(model)
-    merged = base.model_dump(exclude={"mode"})
     given = dict(switches or {})
     for one, other in (_LOSS, _LOSS[::-1]):
         if given.get(one) and other not in given:
-            merged[other] = False
-    merged.update(given)
-    return config_from_kwargs(base.mode, **merged)
+            given[other] = False
+    return default_config(model, **given)
 
 
 def _collisions(keys: list[str], switches: Mapping[str, Any]) -> str:
