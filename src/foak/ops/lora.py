@@ -275,11 +275,11 @@ def _adapter_input(x2d, dtype, p, seed):
 
 
 def _add_up_projection(out, h, lora_B, scaling):
-    """out + scaling * h B^T, summed in the promoted dtype as PEFT's ``result + lora(x) * scaling``."""
+    """out + scaling * h B^T, summed in the promoted dtype as PEFT's ``result + lora(x) * scaling`` and
+    rounded to out's dtype. For a bf16 base with fp32 adapters the in-place add computes in fp32 and
+    writes bf16 (no fp32 copy of the output: 12 instead of 20 bytes moved per output element)."""
     if h.dtype == out.dtype:
         return out.addmm_(h, lora_B.t(), alpha=scaling)
-    if torch.promote_types(h.dtype, out.dtype) == h.dtype:  # e.g. a bf16 base with fp32 adapters
-        return torch.addmm(out.to(h.dtype), h, lora_B.t(), alpha=scaling).to(out.dtype)
     return out.add_(torch.mm(h, lora_B.t()), alpha=scaling)
 
 
