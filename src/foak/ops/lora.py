@@ -51,6 +51,7 @@ import triton.language as tl
 from foak.backend import use_triton
 from foak.ops._checks import check_float_tensor, check_same_device, rows_view
 from foak.ops._custom_op import custom_op
+from foak.ops.lowrank import SIXTEEN_BIT, lowrank_add_, lowrank_down, lowrank_tokens
 
 # Launch knobs: quads of 4 columns per program (one Philox call makes the 4 randoms of a quad).
 TUNING = {"quads": 256, "warps": 4}
@@ -267,6 +268,39 @@ def _dropout_backward_op(x2d: torch.Tensor, dxa: torch.Tensor, dx: torch.Tensor,
     _dropout_backward_launch(x2d, dxa, dx, seed, p, store_xd)
 
 
+def _mixed(big: torch.Tensor, adapter: torch.Tensor) -> bool:
+    """fp32 adapters with a 16-bit operand (a bf16 base outside autocast): the adapter's products are formed in
+    fp32 by foak.ops.lowrank's kernels, which read the operand in its own dtype (no fp32 copy of it)."""
+    return big.dtype in SIXTEEN_BIT and adapter.dtype == torch.float32
+
+
+def _down_projection(x2d, lora_A, p, seed):
+    """``dropout(x cast to the adapters' dtype) A^T``, the saved [tokens, r] product."""
+    if p == 0 and _mixed(x2d, lora_A):
+        return lowrank_down(x2d, lora_A)
+    return torch.mm(_adapter_input(x2d, lora_A.dtype, p, seed), lora_A.t())
+
+
+def _adapter_output_grads(dy, h, lora_B, scaling, need_B, need_g=True):
+    """``(dB, g) = (s dy^T h, s dy B)`` in the adapters' dtype (g: the gradient of h); None where not needed."""
+    if _mixed(dy, lora_B):
+        return (lowrank_tokens(dy, h, scaling) if need_B else None,
+                lowrank_down(dy, lora_B.t(), scaling) if need_g else None)
+    dy_a = dy if dy.dtype == lora_B.dtype else dy.to(lora_B.dtype)
+    return (_scaled(torch.mm(dy_a.t(), h), scaling) if need_B else None,
+            _scaled(torch.mm(dy_a, lora_B), scaling) if need_g else None)
+
+
+def _down_weight_grad(g, x2d, lora_A, p, seed, xa=None):
+    """``dA = g^T dropout(x cast to the adapters' dtype)``; ``xa``: that input when the caller has it."""
+    if xa is None:
+        if p == 0 and _mixed(x2d, lora_A):
+            return lowrank_tokens(x2d, g).t().contiguous()
+        xa = (_dropout_op(x2d, seed, p, lora_A.dtype) if p > 0
+              else x2d if x2d.dtype == lora_A.dtype else x2d.to(lora_A.dtype))
+    return torch.mm(g.t(), xa)
+
+
 def _adapter_input(x2d, dtype, p, seed):
     """dropout(x cast to the adapter dtype) as PEFT forms it (a fresh tensor only when p > 0 or a cast)."""
     if p > 0:
@@ -280,6 +314,8 @@ def _add_up_projection(out, h, lora_B, scaling):
     writes bf16 (no fp32 copy of the output: 12 instead of 20 bytes moved per output element)."""
     if h.dtype == out.dtype:
         return out.addmm_(h, lora_B.t(), alpha=scaling)
+    if _mixed(out, lora_B):
+        return lowrank_add_(out, h, lora_B, scaling)
     return out.add_(torch.mm(h, lora_B.t()), alpha=scaling)
 
 
@@ -360,6 +396,9 @@ def _adapter_input_grad(dx, g, lora_A, x2d, seed, p, dtype, want_xd):
         if dx is not None:
             _add_down_grad(dx, g, lora_A)
             return dx, None
+        if dtype in SIXTEEN_BIT and lora_A.dtype == torch.float32:
+            return lowrank_add_(g.new_empty((g.shape[0], lora_A.shape[1]), dtype=dtype), g, lora_A.t(),
+                                accumulate=False), None
         dxa = torch.mm(g, lora_A)
         return (dxa if dxa.dtype == dtype else dxa.to(dtype)), None
     dxa = torch.mm(g, lora_A)
@@ -390,6 +429,8 @@ def _add_down_grad(dx, g, lora_A):
     """dx += g A (no dropout)."""
     if dx.dtype == lora_A.dtype:
         dx.addmm_(g, lora_A)
+    elif _mixed(dx, lora_A):
+        lowrank_add_(dx, g, lora_A.t())
     else:
         dx.add_(torch.mm(g, lora_A))
 
@@ -405,7 +446,7 @@ class _LoRALinearFunction(torch.autograd.Function):
         # result_dtype (a quantized base under autocast): x2d is in it and the output too (_split_output)
         split = result_dtype is not None
         x_c = _compute_input(x2d, weight, split)
-        h = torch.mm(_adapter_input(x_c, lora_A.dtype, dropout_p, seed), lora_A.t())
+        h = _down_projection(x_c, lora_A, dropout_p, seed)
         if split:
             out = _split_output(x_c, weight, bias, h, lora_B, scaling,
                                 x_c.new_empty((x_c.shape[0], weight.shape[0]), dtype=result_dtype))
@@ -431,22 +472,17 @@ def _projection_backward(x2d, dout, weight, lora_A, lora_B, h, seed, scaling, p,
                          dx=None, base=True):
     """(dx, dA, dB) of one projection. The adapter's part of dx comes first and the base GEMM accumulates
     onto it (``base=False``: the caller adds the base part); with ``dx`` given, it is accumulated into it."""
-    adapter_dtype = lora_A.dtype
-    dy_a = dout if dout.dtype == adapter_dtype else dout.to(adapter_dtype)
-    dB = _scaled(torch.mm(dy_a.t(), h), scaling) if need_B else None
+    # g: the gradient of h (scaling included)
+    dB, g = _adapter_output_grads(dout, h, lora_B, scaling, need_B, need_x or need_A)
     dA = None
     if need_x or need_A:
-        g = _scaled(torch.mm(dy_a, lora_B), scaling)  # gradient of h (scaling included)
         xa = None
         if need_x:
             dx, xa = _adapter_input_grad(dx, g, lora_A, x2d, seed, p, dout.dtype, need_A)
             if base:
                 dx = _add_input_grad_base(dx, [dout], [weight])
         if need_A:
-            if xa is None:
-                xa = (_dropout_op(x2d, seed, p, adapter_dtype) if p > 0
-                      else x2d if x2d.dtype == adapter_dtype else x2d.to(adapter_dtype))
-            dA = torch.mm(g.t(), xa)
+            dA = _down_weight_grad(g, x2d, lora_A, p, seed, xa)
     elif need_x and base:
         dx = _add_input_grad_base(dx, [dout], [weight])
     return dx, dA, dB
@@ -467,11 +503,11 @@ class _LoRALinearsFunction(torch.autograd.Function):
         if stacked:
             # one down-projection GEMM for all adapters (no dropout, one adapter dtype)
             a_all = torch.cat([proj[2] for proj in projections])
-            h_all = torch.mm(_adapter_input(x2d, a_all.dtype, 0.0, None), a_all.t())
+            h_all = _down_projection(x2d, a_all, 0.0, None)
             hs = list(torch.split(h_all, [proj[2].shape[0] for proj in projections], dim=1))
         else:
             for (weight, bias, lora_A, lora_B, seed), p in zip(projections, dropout_ps):
-                hs.append(torch.mm(_adapter_input(x2d, lora_A.dtype, p, seed), lora_A.t()))
+                hs.append(_down_projection(x2d, lora_A, p, seed))
         for (weight, bias, lora_A, lora_B, seed), h, s in zip(projections, hs, scalings):
             # each output is allocated in its final shape, so that it is not a view (a consumer may then
             # reuse its memory for its gradient: foak.ops._inplace)
@@ -519,16 +555,15 @@ class _LoRALinearsFunction(torch.autograd.Function):
             gs = []
             for (weight, bias, lora_A, lora_B, seed), dy, h, s, (need_A, need_B) in zip(
                     projections, douts, hs, scalings, flags):
-                dy_a = dy if dy.dtype == lora_A.dtype else dy.to(lora_A.dtype)
-                grads_B.append(_scaled(torch.mm(dy_a.t(), h), s) if need_B else None)
-                gs.append(_scaled(torch.mm(dy_a, lora_B), s))
+                dB, g = _adapter_output_grads(dy, h, lora_B, s, need_B)
+                grads_B.append(dB)
+                gs.append(g)
             g_all = torch.cat(gs, dim=1)
             a_all = torch.cat([proj[2] for proj in projections])
             if need_x:
                 dx, _ = _adapter_input_grad(None, g_all, a_all, x2d, None, 0.0, douts[0].dtype, False)
             if any(need_A for need_A, _ in flags):
-                xa = x2d if x2d.dtype == a_all.dtype else x2d.to(a_all.dtype)
-                dA_all = torch.mm(g_all.t(), xa)
+                dA_all = _down_weight_grad(g_all, x2d, a_all, 0.0, None)
                 grads_A = [dA if need_A else None for dA, (need_A, _) in
                            zip(torch.split(dA_all, [proj[2].shape[0] for proj in projections]), flags)]
             else:

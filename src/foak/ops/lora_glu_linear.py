@@ -24,16 +24,16 @@ from foak.ops._inplace import can_overwrite, claim, overwritten
 from foak.ops._save_first import Saver, saved, token_grad
 from foak.ops.activations import _backward_launch, _glu_forward_op, check_glu_inputs, glu_reference
 from foak.ops.lora import (
-    _add_input_grad_base,
-    _adapter_input,
     _adapter_input_grad,
+    _adapter_output_grads,
+    _add_input_grad_base,
     _dense,
-    _dropout_op,
+    _down_projection,
+    _down_weight_grad,
     _prepare_projection,
     _projection_output,
     _restore,
     _saveable,
-    _scaled,
     _seed_tensor,
     _split_output,
     lora_linear_reference,
@@ -70,8 +70,7 @@ def _adapter_product(g, u, weight, lora_A, dropout_p, seed, activation, result_d
     h = _glu_forward_op(g, u, activation)
     h2d = h.view(-1, h.shape[-1])
     h_c = h2d if result_dtype is None or h2d.dtype == weight.dtype else h2d.to(weight.dtype)
-    xa = _adapter_input(h_c, lora_A.dtype, dropout_p, seed)
-    return h2d, h_c, torch.mm(xa, lora_A.t())
+    return h2d, h_c, _down_projection(h_c, lora_A, dropout_p, seed)
 
 
 def _output(h2d, h_c, weight, bias, small, lora_B, scaling, result_dtype):
@@ -88,7 +87,6 @@ def _backward(dout, saved, scaling, p, activation, inplace, split, need_A, need_
         g, u, weight, lora_A, lora_B, small, seed = saved
         s = scaling
         dy = dout.reshape(-1, dout.shape[-1])
-        adapter_dtype = lora_A.dtype
         g2d, u2d = g.view(-1, g.shape[-1]), u.view(-1, u.shape[-1])
         if split:  # as foak.ops.lora._split_backward: PEFT's casts and sums, dh in g's dtype
             dy_c = dy if dy.dtype == weight.dtype else dy.to(weight.dtype)
@@ -99,9 +97,8 @@ def _backward(dout, saved, scaling, p, activation, inplace, split, need_A, need_
             dh = dh if dh.dtype == g.dtype else dh.to(g.dtype)  # fresh and contiguous: h is written into it
             dh.add_(torch.mm(dy_c, _dense(weight, weight.dtype)))
         else:
-            dy_a = dy if dy.dtype == adapter_dtype else dy.to(adapter_dtype)
-            dB = _scaled(torch.mm(dy_a.t(), small), s) if need_B else None
-            gd = _scaled(torch.mm(dy_a, lora_B), s)  # gradient of the rank-sized product (scaling included)
+            # gd: the gradient of the rank-sized product (scaling included)
+            dB, gd = _adapter_output_grads(dy, small, lora_B, s, need_B)
             # the adapter's part (masked) first, then the base GEMM accumulates onto it: dh is fresh and contiguous
             dh, _ = _adapter_input_grad(None, gd, lora_A, g2d, seed, p, dy.dtype, False)
             dh = _add_input_grad_base(dh, [dy], [weight])
@@ -116,12 +113,9 @@ def _backward(dout, saved, scaling, p, activation, inplace, split, need_A, need_
         h2d = dh  # now act(g) * u
         dA = None
         if need_A:
-            if p > 0:  # the forward's adapter input again: dropout after the cast to the compute dtype
-                h_c = h2d.to(weight.dtype) if split and h2d.dtype != weight.dtype else h2d
-                xa = _dropout_op(h_c, seed, p, adapter_dtype)
-            else:
-                xa = h2d if h2d.dtype == adapter_dtype else h2d.to(adapter_dtype)
-            dA = torch.mm(gd.t(), xa)
+            # the forward's adapter input again (dropout after the cast to the compute dtype)
+            h_c = h2d.to(weight.dtype) if split and h2d.dtype != weight.dtype else h2d
+            dA = _down_weight_grad(gd, h_c, lora_A, p, seed)
         return dg, du, dA, dB
 
 

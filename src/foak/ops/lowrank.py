@@ -1,0 +1,219 @@
+"""Rank-sized products in fp32 over 16-bit tensors, without an fp32 copy of the big operand.
+
+A LoRA adapter kept in fp32 on a bf16 (or fp16) base outside autocast (PEFT's default adapter dtype, a
+custom training loop) computes every adapter product in fp32: PEFT casts the layer input to fp32, adds
+the fp32 adapter output to the base output and casts the sum back. Done with torch's ops that moves an
+fp32 copy of every [tokens, features] operand (a cast writes 4 bytes and the GEMM reads them again, per
+element, for the output and for each of the backward's products). The three products here read the big
+operand in its own dtype, convert it in registers (exact: every bf16/fp16 value is an fp32 value) and
+accumulate in fp32 (IEEE, no TF32), so the values are those of the fp32 math:
+
+- :func:`lowrank_down`: ``scale * x @ a^T`` in fp32, ``x`` [M, K] 16- or 32-bit, ``a`` [R, K] fp32: the
+  adapter's down projection ``x A^T`` and, with ``a = B^T``, the gradient ``dy B``.
+- :func:`lowrank_add_`: ``out <- out + scale * h @ b^T`` summed in fp32 and rounded once to out's dtype
+  (``accumulate=False``: ``out <- scale * h @ b^T``), ``h`` [M, R] and ``b`` [N, R] fp32: the adapter's
+  up projection added to the base output, and ``(dy B) A`` added to the input gradient.
+- :func:`lowrank_tokens`: ``scale * x^T @ g`` in fp32, a reduction over the M rows (tokens), ``x`` [M, N]
+  16- or 32-bit, ``g`` [M, R] fp32: the adapter weights' gradients ``dy^T h`` and ``x^T (dy B)``. Rows are
+  split across programs and the fp32 partial sums added in a fixed order (deterministic).
+
+R is a LoRA rank (any size; padded to a power of two >= 16 inside the kernels). Any strides.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from foak.ops._custom_op import custom_op
+
+TUNING = {"rows": 64, "cols": 64, "warps": 4, "programs": 1024}
+SIXTEEN_BIT = (torch.bfloat16, torch.float16)
+
+
+# 1. reference -------------------------------------------------------------------------------------
+def lowrank_down_reference(x: torch.Tensor, a: torch.Tensor, scale: float = 1.0) -> torch.Tensor:
+    return torch.mm(x.float(), a.float().t()) * scale
+
+
+def lowrank_add_reference(out: torch.Tensor, h: torch.Tensor, b: torch.Tensor, scale: float = 1.0,
+                          accumulate: bool = True) -> torch.Tensor:
+    product = torch.mm(h.float(), b.float().t()) * scale
+    return out.copy_(out.float() + product if accumulate else product)
+
+
+def lowrank_tokens_reference(x: torch.Tensor, g: torch.Tensor, scale: float = 1.0) -> torch.Tensor:
+    return torch.mm(x.float().t(), g.float()) * scale
+
+
+# 2. kernels ---------------------------------------------------------------------------------------
+@triton.jit
+def _down_kernel(X, sxm, sxk, A, sar, sak, H, shm, shr, M, K, R, scale,
+                 BM: tl.constexpr, BK: tl.constexpr, BR: tl.constexpr):
+    rows = tl.program_id(0).to(tl.int64) * BM + tl.arange(0, BM)
+    ranks = tl.arange(0, BR)
+    acc = tl.zeros((BM, BR), dtype=tl.float32)
+    for k0 in range(0, K, BK):
+        ks = k0 + tl.arange(0, BK)
+        x = tl.load(X + rows[:, None] * sxm + ks[None, :] * sxk, mask=(rows[:, None] < M) & (ks[None, :] < K),
+                    other=0.0).to(tl.float32)
+        a = tl.load(A + ranks[None, :] * sar + ks[:, None] * sak, mask=(ranks[None, :] < R) & (ks[:, None] < K),
+                    other=0.0).to(tl.float32)
+        acc = tl.dot(x, a, acc, input_precision="ieee")
+    tl.store(H + rows[:, None] * shm + ranks[None, :] * shr, acc * scale,
+             mask=(rows[:, None] < M) & (ranks[None, :] < R))
+
+
+@triton.jit
+def _add_kernel(OUT, som, son, Hh, shm, shr, B, sbn, sbr, M, N, R, scale, ACCUMULATE: tl.constexpr,
+                BM: tl.constexpr, BN: tl.constexpr, BR: tl.constexpr):
+    rows = tl.program_id(0).to(tl.int64) * BM + tl.arange(0, BM)
+    cols = tl.program_id(1).to(tl.int64) * BN + tl.arange(0, BN)
+    ranks = tl.arange(0, BR)
+    h = tl.load(Hh + rows[:, None] * shm + ranks[None, :] * shr, mask=(rows[:, None] < M) & (ranks[None, :] < R),
+                other=0.0).to(tl.float32)
+    bt = tl.load(B + cols[None, :] * sbn + ranks[:, None] * sbr, mask=(cols[None, :] < N) & (ranks[:, None] < R),
+                 other=0.0).to(tl.float32)
+    product = tl.dot(h, bt, input_precision="ieee") * scale
+    in_tile = (rows[:, None] < M) & (cols[None, :] < N)
+    offs = rows[:, None] * som + cols[None, :] * son
+    if ACCUMULATE:
+        product += tl.load(OUT + offs, mask=in_tile, other=0.0).to(tl.float32)
+    tl.store(OUT + offs, product.to(OUT.dtype.element_ty), mask=in_tile)
+
+
+@triton.jit
+def _tokens_kernel(X, sxm, sxn, G, sgm, sgr, P, M, N, R, rows_per_split,
+                   BM: tl.constexpr, BN: tl.constexpr, BR: tl.constexpr):
+    # P[split, n, r] = sum over this split's rows m of X[m, n] * G[m, r]
+    cols = tl.program_id(0).to(tl.int64) * BN + tl.arange(0, BN)
+    split = tl.program_id(1).to(tl.int64)
+    ranks = tl.arange(0, BR)
+    first = split * rows_per_split
+    end = tl.minimum(first + rows_per_split, M)
+    acc = tl.zeros((BN, BR), dtype=tl.float32)
+    for m0 in range(first, end, BM):
+        rows = m0 + tl.arange(0, BM)
+        xt = tl.load(X + rows[None, :] * sxm + cols[:, None] * sxn, mask=(rows[None, :] < end) & (cols[:, None] < N),
+                     other=0.0).to(tl.float32)
+        g = tl.load(G + rows[:, None] * sgm + ranks[None, :] * sgr, mask=(rows[:, None] < end) & (ranks[None, :] < R),
+                    other=0.0).to(tl.float32)
+        acc = tl.dot(xt, g, acc, input_precision="ieee")
+    tl.store(P + split * N * R + cols[:, None] * R + ranks[None, :], acc,
+             mask=(cols[:, None] < N) & (ranks[None, :] < R))
+
+
+# 3. launchers -------------------------------------------------------------------------------------
+def _rank_block(r: int) -> int:
+    return max(16, triton.next_power_of_2(r))
+
+
+def _down_launch(x, a, scale, h):
+    (m, k), r = x.shape, a.shape[0]
+    if m == 0:
+        return
+    bm, bk = TUNING["rows"], TUNING["cols"]
+    _down_kernel[(triton.cdiv(m, bm),)](x, x.stride(0), x.stride(1), a, a.stride(0), a.stride(1), h, h.stride(0),
+                                        h.stride(1), m, k, r, scale, BM=bm, BK=bk, BR=_rank_block(r),
+                                        num_warps=TUNING["warps"])
+
+
+def _add_launch(out, h, b, scale, accumulate):
+    (m, n), r = out.shape, h.shape[1]
+    if out.numel() == 0:
+        return
+    bm, bn = TUNING["rows"], TUNING["cols"]
+    _add_kernel[(triton.cdiv(m, bm), triton.cdiv(n, bn))](
+        out, out.stride(0), out.stride(1), h, h.stride(0), h.stride(1), b, b.stride(0), b.stride(1), m, n, r, scale,
+        ACCUMULATE=accumulate, BM=bm, BN=bn, BR=_rank_block(r), num_warps=TUNING["warps"])
+
+
+def _tokens_launch(x, g, scale):
+    (m, n), r = x.shape, g.shape[1]
+    bm, bn = TUNING["rows"], TUNING["cols"]
+    col_blocks = triton.cdiv(n, bn)
+    # enough programs to fill the GPU; each split a whole number of row blocks
+    splits = max(1, min(triton.cdiv(m, bm), TUNING["programs"] // col_blocks))
+    rows_per_split = max(1, triton.cdiv(triton.cdiv(m, splits), bm)) * bm
+    splits = max(1, triton.cdiv(m, rows_per_split))
+    partial = torch.empty((splits, n, r), dtype=torch.float32, device=x.device)
+    if m and n:
+        _tokens_kernel[(col_blocks, splits)](x, x.stride(0), x.stride(1), g, g.stride(0), g.stride(1), partial, m,
+                                             n, r, rows_per_split, BM=bm, BN=bn, BR=_rank_block(r),
+                                             num_warps=TUNING["warps"])
+    else:
+        partial.zero_()
+    out = partial[0] if splits == 1 else partial.sum(0)
+    return out if scale == 1.0 else out.mul_(scale)
+
+
+# 4. custom ops ------------------------------------------------------------------------------------
+def _down_fake(x, a, scale):
+    return x.new_empty((x.shape[0], a.shape[0]), dtype=torch.float32)
+
+
+@custom_op("lowrank_down", _down_fake)
+def _down_op(x: torch.Tensor, a: torch.Tensor, scale: float) -> torch.Tensor:
+    h = torch.empty((x.shape[0], a.shape[0]), dtype=torch.float32, device=x.device)
+    _down_launch(x, a, scale, h)
+    return h
+
+
+def _add_fake(out, h, b, scale, accumulate):
+    return None
+
+
+@custom_op("lowrank_add", _add_fake, mutates_args=("out",))
+def _add_op(out: torch.Tensor, h: torch.Tensor, b: torch.Tensor, scale: float, accumulate: bool) -> None:
+    _add_launch(out, h, b, scale, accumulate)
+
+
+def _tokens_fake(x, g, scale):
+    return x.new_empty((x.shape[1], g.shape[1]), dtype=torch.float32)
+
+
+@custom_op("lowrank_tokens", _tokens_fake)
+def _tokens_op(x: torch.Tensor, g: torch.Tensor, scale: float) -> torch.Tensor:
+    return _tokens_launch(x, g, scale)
+
+
+# 5. public functions (no autograd: called inside the LoRA ops' forward and backward) -----------------
+def _check(op: str, **tensors) -> None:
+    for name, t in tensors.items():
+        if t.dim() != 2:
+            raise ValueError(f"{op}: {name} must be 2-D, got shape {tuple(t.shape)}")
+        if t.dtype not in (torch.float32, *SIXTEEN_BIT):
+            raise ValueError(f"{op}: {name} has dtype {t.dtype}; expected float32, bfloat16 or float16")
+    if len({t.device for t in tensors.values()}) > 1:
+        raise ValueError(f"{op}: all tensors must be on one device; got "
+                         + ", ".join(f"{n} on {t.device}" for n, t in tensors.items()))
+
+
+def lowrank_down(x: torch.Tensor, a: torch.Tensor, scale: float = 1.0) -> torch.Tensor:
+    """``scale * x @ a^T`` in fp32 ([M, R]); x [M, K] is read in its own dtype."""
+    _check("lowrank_down", x=x, a=a)
+    if a.shape[1] != x.shape[1]:
+        raise ValueError(f"lowrank_down: a must be [R, {x.shape[1]}] for x of shape {tuple(x.shape)}, "
+                         f"got {tuple(a.shape)}")
+    return _down_op(x, a, float(scale))
+
+
+def lowrank_add_(out: torch.Tensor, h: torch.Tensor, b: torch.Tensor, scale: float = 1.0,
+                 accumulate: bool = True) -> torch.Tensor:
+    """``out <- out + scale * h @ b^T`` (``accumulate=False``: ``out <- scale * h @ b^T``), summed in fp32 and
+    rounded once to out's dtype. out [M, N], h [M, R], b [N, R]. Returns out."""
+    _check("lowrank_add_", out=out, h=h, b=b)
+    if h.shape[0] != out.shape[0] or b.shape != (out.shape[1], h.shape[1]):
+        raise ValueError(f"lowrank_add_: expected h [{out.shape[0]}, R] and b [{out.shape[1]}, R] for out of shape "
+                         f"{tuple(out.shape)}, got h {tuple(h.shape)} and b {tuple(b.shape)}")
+    _add_op(out, h, b, float(scale), bool(accumulate))
+    return out
+
+
+def lowrank_tokens(x: torch.Tensor, g: torch.Tensor, scale: float = 1.0) -> torch.Tensor:
+    """``scale * x^T @ g`` in fp32 ([N, R]), summed over the M rows; x [M, N] is read in its own dtype."""
+    _check("lowrank_tokens", x=x, g=g)
+    if g.shape[0] != x.shape[0]:
+        raise ValueError(f"lowrank_tokens: g must have x's {x.shape[0]} rows, got shape {tuple(g.shape)}")
+    return _tokens_op(x, g, float(scale))

@@ -1,0 +1,225 @@
+"""foak.ops.lowrank (fp32 rank-sized products over 16-bit operands) against fp64 math, in the Triton interpreter."""
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+
+from foak.ops import lowrank as lowrank_mod
+from foak.ops.lora import lora_linear, lora_linears
+from foak.ops.lora_glu_linear import lora_glu_linear
+from foak.ops.lowrank import lowrank_add_, lowrank_down, lowrank_tokens
+from foak.testing import relative_error
+from test_lora_op import _args, _peft_layer, _peft_layers
+
+
+def _exact(*ts):
+    return [t.double() for t in ts]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize(("m", "k", "r"), [(5, 7, 3), (70, 130, 16), (65, 64, 33)])
+def test_down_equals_fp64_math(dtype, m, k, r):
+    x = torch.randn(m, k).to(dtype)
+    a = torch.randn(r, k)
+    got = lowrank_down(x, a, 0.5)
+    xd, ad = _exact(x, a)
+    ref = 0.5 * xd @ ad.t()
+    assert got.dtype == torch.float32 and got.shape == (m, r)
+    # an fp32 sum of k exact products: within k fp32 roundings of the fp64 value
+    torch.testing.assert_close(got.double(), ref, rtol=0, atol=k * 2e-7 * (xd.abs() @ ad.abs().t()).max().item())
+
+
+def test_down_strided_operands():
+    # a = B^T (a transposed view) and a non-contiguous x: the strides are honoured without copies
+    x = torch.randn(9, 2 * 40).to(torch.bfloat16)[:, ::2]
+    b = torch.randn(40, 6)
+    got = lowrank_down(x, b.t())
+    torch.testing.assert_close(got, x.float() @ b, rtol=1e-6, atol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize(("m", "n", "r"), [(5, 7, 3), (70, 130, 16), (66, 65, 20)])
+def test_add_rounds_the_fp32_sum_once(dtype, m, n, r):
+    out = torch.randn(m, n).to(dtype)
+    h, b = torch.randn(m, r), torch.randn(n, r)
+    ref = (out.double() + 0.25 * (h.double() @ b.double().t()))
+    before = out.clone()
+    got = lowrank_add_(out, h, b, 0.25)
+    assert got is out
+    # the exact sum within the fp32 error of an r-term dot, rounded once to dtype
+    bound = (ref.abs() * torch.finfo(dtype).eps + (r + 2) * 2**-24 * 0.25 * (h.double().abs() @ b.double().abs().t())
+             + before.double().abs() * 2**-24)
+    assert ((got.double() - ref).abs() <= bound).all()
+    if dtype != torch.float32:
+        # PEFT's own sum (fp32 add, then the cast to 16 bits) agrees but where the fp32 values straddle a rounding
+        peft = (before.float() + (h @ b.t()) * 0.25).to(dtype)
+        assert (got != peft).float().mean() < 0.01
+
+
+def test_add_without_accumulate_and_strided_out():
+    big = torch.zeros(10, 2 * 17, dtype=torch.bfloat16)
+    out = big[:, 1::2]  # column stride 2
+    h, a = torch.randn(10, 4), torch.randn(4, 17)
+    lowrank_add_(out, h, a.t(), 2.0, accumulate=False)  # b = A^T: (g A) as for an input gradient
+    torch.testing.assert_close(out.float(), (2.0 * h @ a).to(torch.bfloat16).float(), rtol=0, atol=0)
+    assert (big[:, ::2] == 0).all()
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize(("m", "n", "r"), [(5, 7, 3), (200, 70, 16), (131, 65, 9)])
+def test_tokens_equals_fp64_math(dtype, m, n, r, monkeypatch):
+    # few programs: several row splits per column block (their partial sums added after)
+    monkeypatch.setitem(lowrank_mod.TUNING, "programs", 4)
+    x, g = torch.randn(m, n).to(dtype), torch.randn(m, r)
+    got = lowrank_tokens(x, g, 3.0)
+    xd, gd = _exact(x, g)
+    ref = 3.0 * xd.t() @ gd
+    assert got.dtype == torch.float32 and got.shape == (n, r)
+    torch.testing.assert_close(got.double(), ref, rtol=0, atol=m * 2e-7 * 3 * (xd.abs().t() @ gd.abs()).max().item())
+
+
+def test_tokens_empty_rows_give_zeros():
+    got = lowrank_tokens(torch.zeros(0, 5, dtype=torch.bfloat16), torch.zeros(0, 3))
+    assert got.shape == (5, 3) and (got == 0).all()
+
+
+def test_bad_input_is_refused():
+    with pytest.raises(ValueError, match="lowrank_down: a must be"):
+        lowrank_down(torch.randn(4, 5), torch.randn(3, 6))
+    with pytest.raises(ValueError, match="lowrank_add_: expected h"):
+        lowrank_add_(torch.randn(4, 5), torch.randn(4, 3), torch.randn(4, 3))
+    with pytest.raises(ValueError, match="int64; expected float32"):
+        lowrank_tokens(torch.zeros(4, 5, dtype=torch.int64), torch.randn(4, 3))
+
+
+# in the LoRA ops: fp32 adapters on a bf16 base outside autocast ------------------------------------------
+class _LargeFp32(TorchDispatchMode):
+    """Records every fp32 [tokens, features] tensor of at least ``numel`` elements an op creates (an fp32 copy of
+    an activation or of its gradient). ``tokens`` is no block size: the interpreter's own tensors are blocks."""
+
+    def __init__(self, tokens, numel):
+        super().__init__()
+        self.tokens, self.numel, self.seen = tokens, numel, []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in tree_flatten(out)[0]:
+            if (isinstance(t, torch.Tensor) and t.dtype == torch.float32 and t.numel() >= self.numel
+                    and self.tokens in t.shape):
+                self.seen.append((str(func), tuple(t.shape)))
+        return out
+
+
+@pytest.fixture
+def kernel_calls(monkeypatch):
+    calls = {"down": 0, "add": 0, "tokens": 0}
+    for name in calls:
+        launch = getattr(lowrank_mod, f"_{name}_launch")
+
+        def counted(*args, _launch=launch, _name=name):
+            calls[_name] += 1
+            return _launch(*args)
+
+        monkeypatch.setattr(lowrank_mod, f"_{name}_launch", counted)
+    return calls
+
+
+def _fp64_copy(layer):
+    copy64 = copy.deepcopy(layer).double()
+    copy64.lora_dropout["default"] = nn.Identity()
+    return copy64
+
+
+def _check_against_peft_and_fp64(got, peft, exact):
+    for g, p, e in zip(got, peft, exact):
+        assert g.dtype == p.dtype and g.shape == p.shape
+        err, peft_err = relative_error(g, e), relative_error(p, e)
+        assert err <= 2 * peft_err + 1e-6, (err, peft_err)
+
+
+def test_lora_linear_and_shared_input_projections(kernel_calls):
+    tokens, in_f, outs, ranks = 70, 45, [38, 23], [5, 9]
+    _, layers = _peft_layers(in_f, outs, ranks, alpha=8, bias=[True, False], base_dtype=torch.bfloat16,
+                             adapter_dtype=torch.float32)
+    x = torch.randn(tokens, in_f).to(torch.bfloat16)
+    dys = [torch.randn(tokens, o).to(torch.bfloat16) for o in outs]
+    leaves = [t for layer in layers for t in (layer.lora_A["default"].weight, layer.lora_B["default"].weight)]
+
+    def run(fn, x=x, dys=dys, leaves=leaves):
+        xl = x.detach().requires_grad_()
+        with _LargeFp32(tokens, tokens * min(in_f, *outs)) as mode:
+            out = fn(xl)
+            grads = torch.autograd.grad(out, [xl, *leaves], dys)
+        return [*out, *grads], mode.seen
+
+    peft, peft_copies = run(lambda t: [layer(t) for layer in layers])
+    assert peft_copies  # PEFT's casts are what the mode sees
+    layers64 = [_fp64_copy(layer) for layer in layers]
+    leaves64 = [t for layer in layers64 for t in (layer.lora_A["default"].weight, layer.lora_B["default"].weight)]
+    exact, _ = run(lambda t: [layer(t) for layer in layers64], x.double(), [d.double() for d in dys], leaves64)
+    projections = [(*_args(layer), 0.0, None) for layer in layers]
+    got, copies = run(lambda t: lora_linears(t, projections))  # stacked: one down GEMM for both
+    assert copies == []
+    _check_against_peft_and_fp64(got, peft, exact)
+    # the adapters' gradients: fp32 math on the same bf16 dy and x, as PEFT's
+    for g, p in zip(got[3:], peft[3:]):
+        assert relative_error(g, p) <= 1e-5
+    # forward: one down projection, an up projection per output; backward: per projection g and dB, then dx's
+    # adapter part and dA once for the stacked adapters
+    assert kernel_calls == {"down": 1 + 2, "add": 2 + 1, "tokens": 2 + 1}
+    single, copies = run(lambda t: [lora_linear(t, *_args(layers[0]))], dys=dys[:1], leaves=leaves[:2])
+    assert copies == []
+    # (the input gradient above is both projections'; the single one's adapters and output compare)
+    _check_against_peft_and_fp64([single[0], *single[2:]], [peft[0], *peft[3:5]], [exact[0], *exact[3:5]])
+
+
+def test_lora_glu_linear(kernel_calls):
+    tokens, inter, out_f, r = 66, 70, 20, 6
+    _, layer = _peft_layer(inter, out_f, r, bias=False, base_dtype=torch.bfloat16, adapter_dtype=torch.float32)
+    g0, u0 = (torch.randn(tokens, inter).to(torch.bfloat16) for _ in range(2))
+    dy = torch.randn(tokens, out_f).to(torch.bfloat16)
+
+    def run(fn, dtype=torch.bfloat16, layer=layer):
+        g, u = g0.to(dtype).requires_grad_(), u0.to(dtype).requires_grad_()
+        with _LargeFp32(tokens, tokens * out_f) as mode:
+            out = fn(g * 1, u * 1, layer)
+            grads = torch.autograd.grad(out, (g, u, layer.lora_A["default"].weight, layer.lora_B["default"].weight),
+                                        dy.to(dtype))
+        return [out, *grads], mode.seen
+
+    def peft_fn(g, u, layer):
+        return layer(nn.functional.silu(g) * u)
+
+    peft, peft_copies = run(peft_fn)
+    assert peft_copies
+    exact, _ = run(peft_fn, torch.float64, _fp64_copy(layer))
+    got, copies = run(lambda g, u, layer: lora_glu_linear(g, u, *_args(layer)))
+    assert copies == []
+    _check_against_peft_and_fp64(got, peft, exact)
+    assert kernel_calls == {"down": 2, "add": 2, "tokens": 2}
+
+
+def test_custom_ops_pass_opcheck_and_compile_fullgraph():
+    tests = ("test_schema", "test_faketensor", "test_aot_dispatch_static")
+    x, a, h = torch.randn(9, 20).to(torch.bfloat16), torch.randn(3, 20), torch.randn(9, 3)
+    torch.library.opcheck(torch.ops.foak.lowrank_down, (x, a, 0.5), test_utils=tests)
+    torch.library.opcheck(torch.ops.foak.lowrank_add, (x.clone(), h, a, 0.5, True), test_utils=tests)
+    torch.library.opcheck(torch.ops.foak.lowrank_tokens, (x, h, 2.0), test_utils=tests)
+    # a LoRA projection with fp32 adapters on a bf16 base, compiled whole (forward and backward)
+    torch._dynamo.reset()
+    _, layer = _peft_layer(37, 19, 7, bias=True, base_dtype=torch.bfloat16, adapter_dtype=torch.float32)
+    weight, bias, lora_a, lora_b, s = _args(layer)
+    x = torch.randn(2, 6, 37).to(torch.bfloat16).requires_grad_()
+
+    def step(x, a, b):
+        return lora_linear(x, weight, bias, a, b, s)
+
+    out = torch.compile(step, fullgraph=True)(x, lora_a, lora_b)
+    grads = torch.autograd.grad(out.float().square().sum(), (x, lora_a, lora_b))
+    ref = step(x, lora_a, lora_b)
+    ref_grads = torch.autograd.grad(ref.float().square().sum(), (x, lora_a, lora_b))
+    assert torch.equal(out, ref) and all(torch.equal(g, r) for g, r in zip(grads, ref_grads))
