@@ -82,6 +82,18 @@ def test_tokens_equals_fp64_math(dtype, m, n, r, monkeypatch):
     torch.testing.assert_close(got.double(), ref, rtol=0, atol=m * 2e-7 * 3 * (xd.abs().t() @ gd.abs()).max().item())
 
 
+def test_ranks_past_one_rank_block(monkeypatch):
+    # ranks in several blocks (stacked q, k, v adapters of a large rank): blocks of 16 here, 64 on the GPU
+    monkeypatch.setitem(lowrank_mod.TUNING, "ranks", 16)
+    x, a, b = torch.randn(67, 40).to(torch.bfloat16), torch.randn(37, 40), torch.randn(30, 37)
+    h = lowrank_down(x, a)
+    torch.testing.assert_close(h, x.float() @ a.t(), rtol=1e-6, atol=1e-5)
+    out = torch.randn(67, 30).to(torch.bfloat16)
+    exact = out.double() + h.double() @ b.double().t()
+    assert ((lowrank_add_(out.clone(), h, b).double() - exact).abs() <= exact.abs() * 2**-8 + 1e-3).all()
+    torch.testing.assert_close(lowrank_tokens(x, h), x.float().t() @ h, rtol=1e-5, atol=1e-4)
+
+
 def test_tokens_empty_rows_give_zeros():
     got = lowrank_tokens(torch.zeros(0, 5, dtype=torch.bfloat16), torch.zeros(0, 3))
     assert got.shape == (5, 3) and (got == 0).all()

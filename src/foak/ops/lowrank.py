@@ -17,7 +17,8 @@ accumulate in fp32 (IEEE, no TF32), so the values are those of the fp32 math:
   16- or 32-bit, ``g`` [M, R] fp32: the adapter weights' gradients ``dy^T h`` and ``x^T (dy B)``. Rows are
   split across programs and the fp32 partial sums added in a fixed order (deterministic).
 
-R is a LoRA rank (any size; padded to a power of two >= 16 inside the kernels). Any strides.
+R is a LoRA rank, or the sum of a few stacked ones (any size: blocks of up to 64 ranks, padded to a power of two
+>= 16). Any strides.
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ import triton.language as tl
 
 from foak.ops._custom_op import custom_op
 
-TUNING = {"rows": 64, "cols": 64, "warps": 4, "programs": 1024}
+TUNING = {"rows": 64, "cols": 64, "ranks": 64, "warps": 4, "programs": 1024}  # "ranks": the largest rank block
 SIXTEEN_BIT = (torch.bfloat16, torch.float16)
 
 
@@ -52,7 +53,7 @@ def lowrank_tokens_reference(x: torch.Tensor, g: torch.Tensor, scale: float = 1.
 def _down_kernel(X, sxm, sxk, A, sar, sak, H, shm, shr, M, K, R, scale,
                  BM: tl.constexpr, BK: tl.constexpr, BR: tl.constexpr):
     rows = tl.program_id(0).to(tl.int64) * BM + tl.arange(0, BM)
-    ranks = tl.arange(0, BR)
+    ranks = tl.program_id(1) * BR + tl.arange(0, BR)
     acc = tl.zeros((BM, BR), dtype=tl.float32)
     for k0 in range(0, K, BK):
         ks = k0 + tl.arange(0, BK)
@@ -70,12 +71,15 @@ def _add_kernel(OUT, som, son, Hh, shm, shr, B, sbn, sbr, M, N, R, scale, ACCUMU
                 BM: tl.constexpr, BN: tl.constexpr, BR: tl.constexpr):
     rows = tl.program_id(0).to(tl.int64) * BM + tl.arange(0, BM)
     cols = tl.program_id(1).to(tl.int64) * BN + tl.arange(0, BN)
-    ranks = tl.arange(0, BR)
-    h = tl.load(Hh + rows[:, None] * shm + ranks[None, :] * shr, mask=(rows[:, None] < M) & (ranks[None, :] < R),
-                other=0.0).to(tl.float32)
-    bt = tl.load(B + cols[None, :] * sbn + ranks[:, None] * sbr, mask=(cols[None, :] < N) & (ranks[:, None] < R),
-                 other=0.0).to(tl.float32)
-    product = tl.dot(h, bt, input_precision="ieee") * scale
+    product = tl.zeros((BM, BN), dtype=tl.float32)
+    for r0 in range(0, R, BR):
+        ranks = r0 + tl.arange(0, BR)
+        h = tl.load(Hh + rows[:, None] * shm + ranks[None, :] * shr,
+                    mask=(rows[:, None] < M) & (ranks[None, :] < R), other=0.0).to(tl.float32)
+        bt = tl.load(B + cols[None, :] * sbn + ranks[:, None] * sbr,
+                     mask=(cols[None, :] < N) & (ranks[:, None] < R), other=0.0).to(tl.float32)
+        product = tl.dot(h, bt, product, input_precision="ieee")
+    product *= scale
     in_tile = (rows[:, None] < M) & (cols[None, :] < N)
     offs = rows[:, None] * som + cols[None, :] * son
     if ACCUMULATE:
@@ -84,12 +88,12 @@ def _add_kernel(OUT, som, son, Hh, shm, shr, B, sbn, sbr, M, N, R, scale, ACCUMU
 
 
 @triton.jit
-def _tokens_kernel(X, sxm, sxn, G, sgm, sgr, P, M, N, R, rows_per_split,
+def _tokens_kernel(X, sxm, sxn, G, sgm, sgr, P, M, N, R, rows_per_split, rank_blocks,
                    BM: tl.constexpr, BN: tl.constexpr, BR: tl.constexpr):
     # P[split, n, r] = sum over this split's rows m of X[m, n] * G[m, r]
-    cols = tl.program_id(0).to(tl.int64) * BN + tl.arange(0, BN)
+    cols = (tl.program_id(0) // rank_blocks).to(tl.int64) * BN + tl.arange(0, BN)
+    ranks = (tl.program_id(0) % rank_blocks) * BR + tl.arange(0, BR)
     split = tl.program_id(1).to(tl.int64)
-    ranks = tl.arange(0, BR)
     first = split * rows_per_split
     end = tl.minimum(first + rows_per_split, M)
     acc = tl.zeros((BN, BR), dtype=tl.float32)
@@ -106,17 +110,17 @@ def _tokens_kernel(X, sxm, sxn, G, sgm, sgr, P, M, N, R, rows_per_split,
 
 # 3. launchers -------------------------------------------------------------------------------------
 def _rank_block(r: int) -> int:
-    return max(16, triton.next_power_of_2(r))
+    return max(16, min(TUNING["ranks"], triton.next_power_of_2(r)))
 
 
 def _down_launch(x, a, scale, h):
     (m, k), r = x.shape, a.shape[0]
     if m == 0:
         return
-    bm, bk = TUNING["rows"], TUNING["cols"]
-    _down_kernel[(triton.cdiv(m, bm),)](x, x.stride(0), x.stride(1), a, a.stride(0), a.stride(1), h, h.stride(0),
-                                        h.stride(1), m, k, r, scale, BM=bm, BK=bk, BR=_rank_block(r),
-                                        num_warps=TUNING["warps"])
+    bm, bk, br = TUNING["rows"], TUNING["cols"], _rank_block(r)
+    _down_kernel[(triton.cdiv(m, bm), triton.cdiv(r, br))](
+        x, x.stride(0), x.stride(1), a, a.stride(0), a.stride(1), h, h.stride(0), h.stride(1), m, k, r, scale,
+        BM=bm, BK=bk, BR=br, num_warps=TUNING["warps"])
 
 
 def _add_launch(out, h, b, scale, accumulate):
@@ -131,8 +135,8 @@ def _add_launch(out, h, b, scale, accumulate):
 
 def _tokens_launch(x, g, scale):
     (m, n), r = x.shape, g.shape[1]
-    bm, bn = TUNING["rows"], TUNING["cols"]
-    col_blocks = triton.cdiv(n, bn)
+    bm, bn, br = TUNING["rows"], TUNING["cols"], _rank_block(r)
+    col_blocks = triton.cdiv(n, bn) * triton.cdiv(r, br)
     # enough programs to fill the GPU; each split a whole number of row blocks
     splits = max(1, min(triton.cdiv(m, bm), TUNING["programs"] // col_blocks))
     rows_per_split = max(1, triton.cdiv(triton.cdiv(m, splits), bm)) * bm
@@ -140,7 +144,7 @@ def _tokens_launch(x, g, scale):
     partial = torch.empty((splits, n, r), dtype=torch.float32, device=x.device)
     if m and n:
         _tokens_kernel[(col_blocks, splits)](x, x.stride(0), x.stride(1), g, g.stride(0), g.stride(1), partial, m,
-                                             n, r, rows_per_split, BM=bm, BN=bn, BR=_rank_block(r),
+                                             n, r, rows_per_split, triton.cdiv(r, br), BM=bm, BN=bn, BR=br,
                                              num_warps=TUNING["warps"])
     else:
         partial.zero_()
