@@ -151,7 +151,7 @@ def main() -> int:
         t["proj foak bf16 adapters"] = time(fwd_bwd(lambda t_: lora_linear(t_, *args_of(layer16)), x, dy,
                                                     [layer16.lora_A["default"].weight, layer16.lora_B["default"].weight]))
         rows.append({"shape": name, "in": n_in, "out": n_out, "tokens": m, "rank": r, "checks": checks, "ms": t})
-        del layer, layer16, variants, results, exact
+        layer = layer16 = variants = results = exact = None  # free before the next shape
         if cuda:
             torch.cuda.empty_cache()
     Path(args.out).mkdir(parents=True, exist_ok=True)
