@@ -198,11 +198,14 @@ def test_cli_verify_ops_passes_and_prints_a_table(capsys):
     out = capsys.readouterr().out
     assert "backend: triton-interpreter" in out
     for op in ("rms_norm", "rope", "glu", "glu_linear", "cross_entropy", "linear_cross_entropy", "linear_log_probs",
-               "linear_jsd"):
+               "linear_jsd", "lowrank"):
         assert f"| {op}" in out
     assert "not run by --ops (foak verify without --ops checks them in the model rows of): lora, lora_glu_linear " \
         "(fused_lora); moe, moe_router (fast_moe)" in out
-    assert "FAIL" not in out and "self-check: 28 of 28 cases within tolerance" in out
+    from foak.testing import self_check_cases
+
+    n = 2 * len(self_check_cases())  # fp32 and bf16
+    assert n >= 30 and "FAIL" not in out and f"self-check: {n} of {n} cases within tolerance" in out
 
 
 def test_verify_ops_runs_or_names_every_op():

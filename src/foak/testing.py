@@ -20,6 +20,14 @@ from foak.ops.glu_linear import glu_linear, glu_linear_reference
 from foak.ops.linear_cross_entropy import linear_cross_entropy, linear_cross_entropy_reference
 from foak.ops.linear_jsd import linear_jsd, linear_jsd_reference
 from foak.ops.linear_log_probs import linear_log_probs, linear_log_probs_reference
+from foak.ops.lowrank import (
+    lowrank_add_,
+    lowrank_add_reference,
+    lowrank_down,
+    lowrank_down_reference,
+    lowrank_tokens,
+    lowrank_tokens_reference,
+)
 from foak.ops.rms_norm import rms_norm, rms_norm_reference
 from foak.ops.rope import rope, rope_reference
 
@@ -239,6 +247,22 @@ def linear_jsd_case(n, hidden_size, n_classes, **options) -> Case:
                 lambda **kw: linear_jsd_reference(**kw, **options), make)
 
 
+def lowrank_case(m, k, n, r) -> Case:
+    """The three fp32 adapter products over an x (and out) of the case's dtype; no autograd (the LoRA ops call
+    them in their forward and backward)."""
+    def make(dtype, device, gen):
+        return {"x": _randn((m, k), dtype, device, gen), "a": _randn((r, k), torch.float32, device, gen),
+                "out": _randn((m, n), dtype, device, gen), "b": _randn((n, r), torch.float32, device, gen),
+                "g": _randn((m, r), torch.float32, device, gen)}, ()
+
+    def call(down, add_, tokens):
+        return lambda x, a, out, b, g: (down(x, a, 0.5), add_(out.clone(), g, b, 0.5), tokens(x, g, 2.0))
+
+    return Case("lowrank", f"x[{m}, {k}] a[{r}, {k}] out[{m}, {n}]",
+                call(lowrank_down, lowrank_add_, lowrank_tokens),
+                call(lowrank_down_reference, lowrank_add_reference, lowrank_tokens_reference), make)
+
+
 # the ops of foak.ops that --ops does not run (their self-check cases are yet to be written); each is checked
 # through the model rows of ``foak verify`` (the rule named) and by its own tests. ``foak verify --ops`` names them
 OPS_NOT_SELF_CHECKED = {
@@ -267,6 +291,7 @@ def self_check_cases() -> list[Case]:
         linear_cross_entropy_case(13, 33, 1003, reduction="sum"),
         linear_log_probs_case(13, 33, 1003, temperature=0.7, softcap=5.0),
         linear_jsd_case(13, 33, 1003, beta=0.3, temperature=2.0),
+        lowrank_case(67, 130, 70, 7),
     ]
 
 
