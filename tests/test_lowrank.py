@@ -16,13 +16,20 @@ from foak.testing import relative_error
 from test_lora_op import _args, _peft_layer, _peft_layers
 
 
+@pytest.fixture(params=[True, False], ids=["split", "fma"])
+def split(request, monkeypatch):
+    """Both ways of forming the products: bf16 parts on the tensor cores, and fp32 FMA dots."""
+    monkeypatch.setitem(lowrank_mod.TUNING, "split", request.param)
+    return request.param
+
+
 def _exact(*ts):
     return [t.double() for t in ts]
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 @pytest.mark.parametrize(("m", "k", "r"), [(5, 7, 3), (70, 130, 16), (65, 64, 33)])
-def test_down_equals_fp64_math(dtype, m, k, r):
+def test_down_equals_fp64_math(dtype, m, k, r, split):
     x = torch.randn(m, k).to(dtype)
     a = torch.randn(r, k)
     got = lowrank_down(x, a, 0.5)
@@ -31,6 +38,8 @@ def test_down_equals_fp64_math(dtype, m, k, r):
     assert got.dtype == torch.float32 and got.shape == (m, r)
     # an fp32 sum of k exact products: within k fp32 roundings of the fp64 value
     torch.testing.assert_close(got.double(), ref, rtol=0, atol=k * 2e-7 * (xd.abs() @ ad.abs().t()).max().item())
+    # fp32 accuracy overall (a product that kept only 16 of a's 24 bits would be ~1e-5 off)
+    assert relative_error(got, ref) <= 1e-6
 
 
 def test_down_strided_operands():
@@ -43,7 +52,7 @@ def test_down_strided_operands():
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 @pytest.mark.parametrize(("m", "n", "r"), [(5, 7, 3), (70, 130, 16), (66, 65, 20)])
-def test_add_rounds_the_fp32_sum_once(dtype, m, n, r):
+def test_add_rounds_the_fp32_sum_once(dtype, m, n, r, split):
     out = torch.randn(m, n).to(dtype)
     h, b = torch.randn(m, r), torch.randn(n, r)
     ref = (out.double() + 0.25 * (h.double() @ b.double().t()))
@@ -71,7 +80,7 @@ def test_add_without_accumulate_and_strided_out():
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize(("m", "n", "r"), [(5, 7, 3), (200, 70, 16), (131, 65, 9)])
-def test_tokens_equals_fp64_math(dtype, m, n, r, monkeypatch):
+def test_tokens_equals_fp64_math(dtype, m, n, r, monkeypatch, split):
     # few programs: several row splits per column block (their partial sums added after)
     monkeypatch.setitem(lowrank_mod.TUNING, "programs", 4)
     x, g = torch.randn(m, n).to(dtype), torch.randn(m, r)
@@ -80,9 +89,10 @@ def test_tokens_equals_fp64_math(dtype, m, n, r, monkeypatch):
     ref = 3.0 * xd.t() @ gd
     assert got.dtype == torch.float32 and got.shape == (n, r)
     torch.testing.assert_close(got.double(), ref, rtol=0, atol=m * 2e-7 * 3 * (xd.abs().t() @ gd.abs()).max().item())
+    assert relative_error(got, ref) <= 1e-6
 
 
-def test_ranks_past_one_rank_block(monkeypatch):
+def test_ranks_past_one_rank_block(monkeypatch, split):
     # ranks in several blocks (stacked q, k, v adapters of a large rank): blocks of 16 here, 64 on the GPU
     monkeypatch.setitem(lowrank_mod.TUNING, "ranks", 16)
     x, a, b = torch.randn(67, 40).to(torch.bfloat16), torch.randn(37, 40), torch.randn(30, 37)

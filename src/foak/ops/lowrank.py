@@ -17,6 +17,12 @@ accumulate in fp32 (IEEE, no TF32), so the values are those of the fp32 math:
   16- or 32-bit, ``g`` [M, R] fp32: the adapter weights' gradients ``dy^T h`` and ``x^T (dy B)``. Rows are
   split across programs and the fp32 partial sums added in a fixed order (deterministic).
 
+The products are exact fp32 math either way. With a bf16 operand (``TUNING["split"]``) they run on the tensor
+cores: the fp32 operand is split into three bf16 parts whose sum is it to within fp32 rounding (each part the
+bf16 rounding of what the previous parts leave), and each bf16 x bf16 product is exact in the fp32 accumulator;
+:func:`lowrank_add_`'s two fp32 operands are both split (the six products above fp32's precision). Otherwise
+(fp16 operands) IEEE fp32 FMA dots.
+
 R is a LoRA rank, or the sum of a few stacked ones (any size: blocks of up to 64 ranks, padded to a power of two
 >= 16). Any strides.
 """
@@ -29,7 +35,8 @@ import triton.language as tl
 
 from foak.ops._custom_op import custom_op
 
-TUNING = {"rows": 64, "cols": 64, "ranks": 64, "warps": 4, "programs": 1024}  # "ranks": the largest rank block
+# "ranks": the largest rank block; "split": the bf16 tensor-core products below (else fp32 FMA dots)
+TUNING = {"rows": 64, "cols": 64, "ranks": 64, "warps": 4, "programs": 1024, "split": True}
 SIXTEEN_BIT = (torch.bfloat16, torch.float16)
 
 
@@ -50,25 +57,65 @@ def lowrank_tokens_reference(x: torch.Tensor, g: torch.Tensor, scale: float = 1.
 
 # 2. kernels ---------------------------------------------------------------------------------------
 @triton.jit
+def _split3(a):
+    """Three bf16 tensors summing to the fp32 ``a`` to within fp32 rounding (each subtraction is exact)."""
+    a1 = a.to(tl.bfloat16)
+    rest = a - a1.to(tl.float32)
+    a2 = rest.to(tl.bfloat16)
+    return a1, a2, (rest - a2.to(tl.float32)).to(tl.bfloat16)
+
+
+@triton.jit
+def _dot(x, a, acc, SPLIT: tl.constexpr):
+    """acc + x @ a in fp32; SPLIT: x holds bf16 values, a is split into three bf16 parts (tensor cores)."""
+    if SPLIT:
+        xb = x.to(tl.bfloat16)
+        a1, a2, a3 = _split3(a.to(tl.float32))
+        acc = tl.dot(xb, a3, acc)
+        acc = tl.dot(xb, a2, acc)
+        acc = tl.dot(xb, a1, acc)
+    else:
+        acc = tl.dot(x.to(tl.float32), a.to(tl.float32), acc, input_precision="ieee")
+    return acc
+
+
+@triton.jit
+def _dot_fp32(h, b, acc, SPLIT: tl.constexpr):
+    """acc + h @ b for fp32 h and b; SPLIT: both split into three bf16 parts, the six products that matter."""
+    if SPLIT:
+        h1, h2, h3 = _split3(h)
+        b1, b2, b3 = _split3(b)
+        acc = tl.dot(h1, b3, acc)
+        acc = tl.dot(h3, b1, acc)
+        acc = tl.dot(h2, b2, acc)
+        acc = tl.dot(h1, b2, acc)
+        acc = tl.dot(h2, b1, acc)
+        acc = tl.dot(h1, b1, acc)
+    else:
+        acc = tl.dot(h, b, acc, input_precision="ieee")
+    return acc
+
+
+@triton.jit
 def _down_kernel(X, sxm, sxk, A, sar, sak, H, shm, shr, M, K, R, scale,
-                 BM: tl.constexpr, BK: tl.constexpr, BR: tl.constexpr):
+                 SPLIT: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr, BR: tl.constexpr):
     rows = tl.program_id(0).to(tl.int64) * BM + tl.arange(0, BM)
     ranks = tl.program_id(1) * BR + tl.arange(0, BR)
     acc = tl.zeros((BM, BR), dtype=tl.float32)
     for k0 in range(0, K, BK):
         ks = k0 + tl.arange(0, BK)
         x = tl.load(X + rows[:, None] * sxm + ks[None, :] * sxk, mask=(rows[:, None] < M) & (ks[None, :] < K),
-                    other=0.0).to(tl.float32)
+                    other=0.0)
         a = tl.load(A + ranks[None, :] * sar + ks[:, None] * sak, mask=(ranks[None, :] < R) & (ks[:, None] < K),
-                    other=0.0).to(tl.float32)
-        acc = tl.dot(x, a, acc, input_precision="ieee")
+                    other=0.0)
+        acc = _dot(x, a, acc, SPLIT)
     tl.store(H + rows[:, None] * shm + ranks[None, :] * shr, acc * scale,
              mask=(rows[:, None] < M) & (ranks[None, :] < R))
 
 
 @triton.jit
 def _add_kernel(OUT, som, son, Hh, shm, shr, B, sbn, sbr, M, N, R, scale, ACCUMULATE: tl.constexpr,
-                BM: tl.constexpr, BN: tl.constexpr, BR: tl.constexpr):
+                SPLIT: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BR: tl.constexpr):
     rows = tl.program_id(0).to(tl.int64) * BM + tl.arange(0, BM)
     cols = tl.program_id(1).to(tl.int64) * BN + tl.arange(0, BN)
     product = tl.zeros((BM, BN), dtype=tl.float32)
@@ -78,7 +125,7 @@ def _add_kernel(OUT, som, son, Hh, shm, shr, B, sbn, sbr, M, N, R, scale, ACCUMU
                     mask=(rows[:, None] < M) & (ranks[None, :] < R), other=0.0).to(tl.float32)
         bt = tl.load(B + cols[None, :] * sbn + ranks[:, None] * sbr,
                      mask=(cols[None, :] < N) & (ranks[:, None] < R), other=0.0).to(tl.float32)
-        product = tl.dot(h, bt, product, input_precision="ieee")
+        product = _dot_fp32(h, bt, product, SPLIT)
     product *= scale
     in_tile = (rows[:, None] < M) & (cols[None, :] < N)
     offs = rows[:, None] * som + cols[None, :] * son
@@ -89,7 +136,7 @@ def _add_kernel(OUT, som, son, Hh, shm, shr, B, sbn, sbr, M, N, R, scale, ACCUMU
 
 @triton.jit
 def _tokens_kernel(X, sxm, sxn, G, sgm, sgr, P, M, N, R, rows_per_split, rank_blocks,
-                   BM: tl.constexpr, BN: tl.constexpr, BR: tl.constexpr):
+                   SPLIT: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BR: tl.constexpr):
     # P[split, n, r] = sum over this split's rows m of X[m, n] * G[m, r]
     cols = (tl.program_id(0) // rank_blocks).to(tl.int64) * BN + tl.arange(0, BN)
     ranks = (tl.program_id(0) % rank_blocks) * BR + tl.arange(0, BR)
@@ -100,15 +147,19 @@ def _tokens_kernel(X, sxm, sxn, G, sgm, sgr, P, M, N, R, rows_per_split, rank_bl
     for m0 in range(first, end, BM):
         rows = m0 + tl.arange(0, BM)
         xt = tl.load(X + rows[None, :] * sxm + cols[:, None] * sxn, mask=(rows[None, :] < end) & (cols[:, None] < N),
-                     other=0.0).to(tl.float32)
+                     other=0.0)
         g = tl.load(G + rows[:, None] * sgm + ranks[None, :] * sgr, mask=(rows[:, None] < end) & (ranks[None, :] < R),
-                    other=0.0).to(tl.float32)
-        acc = tl.dot(xt, g, acc, input_precision="ieee")
+                    other=0.0)
+        acc = _dot(xt, g, acc, SPLIT)
     tl.store(P + split * N * R + cols[:, None] * R + ranks[None, :], acc,
              mask=(cols[:, None] < N) & (ranks[None, :] < R))
 
 
 # 3. launchers -------------------------------------------------------------------------------------
+def _split(x: torch.Tensor) -> bool:
+    return bool(TUNING["split"]) and x.dtype == torch.bfloat16
+
+
 def _rank_block(r: int) -> int:
     return max(16, min(TUNING["ranks"], triton.next_power_of_2(r)))
 
@@ -120,7 +171,7 @@ def _down_launch(x, a, scale, h):
     bm, bk, br = TUNING["rows"], TUNING["cols"], _rank_block(r)
     _down_kernel[(triton.cdiv(m, bm), triton.cdiv(r, br))](
         x, x.stride(0), x.stride(1), a, a.stride(0), a.stride(1), h, h.stride(0), h.stride(1), m, k, r, scale,
-        BM=bm, BK=bk, BR=br, num_warps=TUNING["warps"])
+        SPLIT=_split(x), BM=bm, BK=bk, BR=br, num_warps=TUNING["warps"])
 
 
 def _add_launch(out, h, b, scale, accumulate):
@@ -130,7 +181,8 @@ def _add_launch(out, h, b, scale, accumulate):
     bm, bn = TUNING["rows"], TUNING["cols"]
     _add_kernel[(triton.cdiv(m, bm), triton.cdiv(n, bn))](
         out, out.stride(0), out.stride(1), h, h.stride(0), h.stride(1), b, b.stride(0), b.stride(1), m, n, r, scale,
-        ACCUMULATE=accumulate, BM=bm, BN=bn, BR=_rank_block(r), num_warps=TUNING["warps"])
+        ACCUMULATE=accumulate, SPLIT=bool(TUNING["split"]), BM=bm, BN=bn, BR=_rank_block(r),
+        num_warps=TUNING["warps"])
 
 
 def _tokens_launch(x, g, scale):
@@ -144,8 +196,8 @@ def _tokens_launch(x, g, scale):
     partial = torch.empty((splits, n, r), dtype=torch.float32, device=x.device)
     if m and n:
         _tokens_kernel[(col_blocks, splits)](x, x.stride(0), x.stride(1), g, g.stride(0), g.stride(1), partial, m,
-                                             n, r, rows_per_split, triton.cdiv(r, br), BM=bm, BN=bn, BR=br,
-                                             num_warps=TUNING["warps"])
+                                             n, r, rows_per_split, triton.cdiv(r, br), SPLIT=_split(x), BM=bm,
+                                             BN=bn, BR=br, num_warps=TUNING["warps"])
     else:
         partial.zero_()
     out = partial[0] if splits == 1 else partial.sum(0)
