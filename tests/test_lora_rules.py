@@ -264,6 +264,33 @@ def test_fp32_adapters_under_bf16_autocast():
     assert calls(report) == (LAYERS * 7, {})
 
 
+def test_fp32_adapters_on_a_bf16_model_without_autocast(monkeypatch):
+    """A custom loop on a bf16 model with PEFT's default fp32 adapters and no autocast: the adapters' products run
+    in fp32 (foak.ops.lowrank's kernels, counted), the training matches PEFT's, and the report says how many
+    calls took that (slower) arithmetic; under autocast none does."""
+    from foak.ops import lowrank
+
+    launches = {"n": 0}
+    down = lowrank._down_launch
+    monkeypatch.setattr(lowrank, "_down_launch", lambda *a: (launches.__setitem__("n", launches["n"] + 1), down(*a)))
+    ref = get_peft_model(tiny_model("llama").to(torch.bfloat16), lora_config())  # PEFT casts adapters to fp32
+    assert {p.dtype for n, p in ref.named_parameters() if "lora_" in n} == {torch.float32}
+    model, report = patched_pair(ref, fused_lora=True, **OTHER_SWITCHES)
+    loss, grads = loss_and_grads(model)
+    ref_loss, ref_grads = loss_and_grads(ref)
+    assert_close(loss, ref_loss, "loss", 1e-2)
+    for name, g in grads.items():
+        assert g.dtype == torch.float32
+        assert_close(g, ref_grads[name], f"grad of {name}", 5e-2)
+    assert calls(report) == (LAYERS * 7, {}) and launches["n"] > 0
+    assert f"({LAYERS * 7} with fp32 adapters on 16-bit activations outside autocast" in \
+        report.result("llama.fused_lora").notes
+    model2, report2 = patched_pair(ref, fused_lora=True, **OTHER_SWITCHES)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        loss_and_grads(model2)
+    assert calls(report2) == (LAYERS * 7, {}) and "fp32 adapters" not in report2.result("llama.fused_lora").notes
+
+
 # ---- PEFT's own path ----------------------------------------------------------------------------------
 
 

@@ -102,16 +102,20 @@ class _Counts(CallCounts):
 
     def __init__(self, row, rule_id: str = ""):
         super().__init__(row)
-        self.fused, self.peft, self.rule_id = 0, {}, rule_id
+        self.fused, self.fp32, self.peft, self.rule_id = 0, 0, {}, rule_id
 
-    def count(self, reason: str | None) -> None:
+    def count(self, reason: str | None, fp32_adapters: bool = False) -> None:
         if not self.counting():
             return
         if reason is None:
             self.fused += 1
+            self.fp32 += fp32_adapters
         else:
             self.bump(self.peft, reason)
         text = f"fused {self.fused} call{'s' if self.fused != 1 else ''}"
+        if self.fp32:
+            text += (f" ({self.fp32} with fp32 adapters on 16-bit activations outside autocast: fp32 adapter math, "
+                     "slower than under autocast)")
         if self.peft:
             total = sum(self.peft.values())
             reasons = ", ".join(f"{why} ({n})" for why, n in sorted(self.peft.items()))
@@ -214,9 +218,16 @@ def fused_projection(module: nn.Module, x: torch.Tensor):
     return _projection_spec(module, x)
 
 
-def count_fused(module: nn.Module) -> None:
-    """Count one fused call of a layer whose :func:`fused_projection` a block-level op computed."""
-    _layer_counts(module).count(None)
+def count_fused(module: nn.Module, x: torch.Tensor) -> None:
+    """Count one fused call (input ``x``) of a layer whose :func:`fused_projection` a block-level op computed."""
+    _layer_counts(module).count(None, _fp32_adapter_math(module, x))
+
+
+def _fp32_adapter_math(module, x) -> bool:
+    """fp32 adapters on a 16-bit input outside autocast: PEFT's (and foak's) adapter products run in fp32."""
+    (name,) = [a for a in module.active_adapters if a in module.lora_A]
+    return (x.dtype in (torch.bfloat16, torch.float16) and module.lora_A[name].weight.dtype == torch.float32
+            and not torch.is_autocast_enabled(x.device.type))
 
 
 # q/k/v outputs that an attention block computed as one lora_linears call, each waiting for its projection's
@@ -301,14 +312,14 @@ def lora_glu_mlp(gate: nn.Module, up: nn.Module, down: nn.Module, x: torch.Tenso
             return None
         if pair:
             g, u = lora_linears(x, [spec_gate, spec_up])
-            count_fused(gate)
-            count_fused(up)
+            count_fused(gate, x)
+            count_fused(up, x)
         else:
             g, u = gate(x), up(x)
     spec_down = fused_projection(down, g)
     if spec_down is not None:
         weight, bias, lora_A, lora_B, scaling, p, _ = spec_down
-        count_fused(down)
+        count_fused(down, g)
         return lora_glu_linear(g, u, weight, bias, lora_A, lora_B, scaling, dropout_p=p, activation=activation)
     if _plain_linear(down):
         return glu_linear(g, u, down.weight, down.bias, activation)
@@ -329,10 +340,10 @@ def lora_linear_rule(arch: str) -> Rule:
             entry = _PREFETCHED.get(self)  # computed by a block op (q/k/v) for exactly this input
             if entry is not None and entry[0] is x and not args and not kwargs:
                 del _PREFETCHED[self]
-                counts.count(None)
+                counts.count(None, _fp32_adapter_math(self, x))
                 return entry[1]
             reason = _fallback_reason(self, x, args, kwargs)
-            counts.count(reason)
+            counts.count(reason, reason is None and _fp32_adapter_math(self, x))
             if reason is not None:
                 return call_next(self, rule_id, x, *args, **kwargs)
             weight, bias, lora_A, lora_B, scaling, p, _ = _projection_spec(self, x)
