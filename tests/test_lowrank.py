@@ -4,16 +4,16 @@ import copy
 
 import pytest
 import torch
+from test_lora_op import _args, _peft_layer, _peft_layers, _use_mask
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 from foak.ops import lowrank as lowrank_mod
-from foak.ops.lora import lora_linear, lora_linears
+from foak.ops.lora import lora_dropout_mask, lora_linear, lora_linears
 from foak.ops.lora_glu_linear import lora_glu_linear
 from foak.ops.lowrank import lowrank_add_, lowrank_down, lowrank_tokens
 from foak.testing import relative_error
-from test_lora_op import _args, _peft_layer, _peft_layers
 
 
 @pytest.fixture(params=[True, False], ids=["split", "fma"])
@@ -151,9 +151,7 @@ def kernel_calls(monkeypatch):
 
 
 def _fp64_copy(layer):
-    copy64 = copy.deepcopy(layer).double()
-    copy64.lora_dropout["default"] = nn.Identity()
-    return copy64
+    return copy.deepcopy(layer).double()  # (a dropout module with a fixed mask keeps it)
 
 
 def _check_against_peft_and_fp64(got, peft, exact):
@@ -163,11 +161,16 @@ def _check_against_peft_and_fp64(got, peft, exact):
         assert err <= 2 * peft_err + 1e-6, (err, peft_err)
 
 
-def test_lora_linear_and_shared_input_projections(kernel_calls):
+@pytest.mark.parametrize("p", [0.0, 0.25])
+def test_lora_linear_and_shared_input_projections(kernel_calls, p):
     tokens, in_f, outs, ranks = 70, 45, [38, 23], [5, 9]
     _, layers = _peft_layers(in_f, outs, ranks, alpha=8, bias=[True, False], base_dtype=torch.bfloat16,
                              adapter_dtype=torch.float32)
     x = torch.randn(tokens, in_f).to(torch.bfloat16)
+    seeds = [torch.tensor([11]), torch.tensor([12])] if p else [None, None]
+    if p:  # PEFT's layers drop out with foak's masks
+        for layer, seed in zip(layers, seeds):
+            _use_mask(layer, lora_dropout_mask(seed, x.shape, p), p)
     dys = [torch.randn(tokens, o).to(torch.bfloat16) for o in outs]
     leaves = [t for layer in layers for t in (layer.lora_A["default"].weight, layer.lora_B["default"].weight)]
 
@@ -183,26 +186,33 @@ def test_lora_linear_and_shared_input_projections(kernel_calls):
     layers64 = [_fp64_copy(layer) for layer in layers]
     leaves64 = [t for layer in layers64 for t in (layer.lora_A["default"].weight, layer.lora_B["default"].weight)]
     exact, _ = run(lambda t: [layer(t) for layer in layers64], x.double(), [d.double() for d in dys], leaves64)
-    projections = [(*_args(layer), 0.0, None) for layer in layers]
-    got, copies = run(lambda t: lora_linears(t, projections))  # stacked: one down GEMM for both
+    projections = [(*_args(layer), p, seed) for layer, seed in zip(layers, seeds)]
+    got, copies = run(lambda t: lora_linears(t, projections))  # without dropout stacked: one down GEMM for both
     assert copies == []
     _check_against_peft_and_fp64(got, peft, exact)
     # the adapters' gradients: fp32 math on the same bf16 dy and x, as PEFT's
-    for g, p in zip(got[3:], peft[3:]):
-        assert relative_error(g, p) <= 1e-5
-    # forward: one down projection, an up projection per output; backward: per projection g and dB, then dx's
-    # adapter part and dA once for the stacked adapters
-    assert kernel_calls == {"down": 1 + 2, "add": 2 + 1, "tokens": 2 + 1}
-    single, copies = run(lambda t: [lora_linear(t, *_args(layers[0]))], dys=dys[:1], leaves=leaves[:2])
+    for ours, theirs in zip(got[3:], peft[3:]):
+        assert relative_error(ours, theirs) <= 1e-5
+    if p == 0:  # forward: one down projection, an up projection per output; backward: per projection g and dB,
+        # then dx's adapter part and dA once for the stacked adapters
+        assert kernel_calls == {"down": 1 + 2, "add": 2 + 1, "tokens": 2 + 1}
+    else:  # per projection: down and up; g, dB, dx's adapter part (masked), dA (masked)
+        assert kernel_calls == {"down": 2 + 2, "add": 2 + 2, "tokens": 2 + 2}
+    single, copies = run(lambda t: [lora_linear(t, *_args(layers[0]), dropout_p=p, seed=seeds[0])], dys=dys[:1],
+                         leaves=leaves[:2])
     assert copies == []
     # (the input gradient above is both projections'; the single one's adapters and output compare)
     _check_against_peft_and_fp64([single[0], *single[2:]], [peft[0], *peft[3:5]], [exact[0], *exact[3:5]])
 
 
-def test_lora_glu_linear(kernel_calls):
+@pytest.mark.parametrize("p", [0.0, 0.3])
+def test_lora_glu_linear(kernel_calls, p):
     tokens, inter, out_f, r = 66, 70, 20, 6
     _, layer = _peft_layer(inter, out_f, r, bias=False, base_dtype=torch.bfloat16, adapter_dtype=torch.float32)
     g0, u0 = (torch.randn(tokens, inter).to(torch.bfloat16) for _ in range(2))
+    seed = torch.tensor([21]) if p else None
+    if p:
+        _use_mask(layer, lora_dropout_mask(seed, (tokens, inter), p), p)
     dy = torch.randn(tokens, out_f).to(torch.bfloat16)
 
     def run(fn, dtype=torch.bfloat16, layer=layer):
@@ -219,7 +229,7 @@ def test_lora_glu_linear(kernel_calls):
     peft, peft_copies = run(peft_fn)
     assert peft_copies
     exact, _ = run(peft_fn, torch.float64, _fp64_copy(layer))
-    got, copies = run(lambda g, u, layer: lora_glu_linear(g, u, *_args(layer)))
+    got, copies = run(lambda g, u, layer: lora_glu_linear(g, u, *_args(layer), dropout_p=p, seed=seed))
     assert copies == []
     _check_against_peft_and_fp64(got, peft, exact)
     assert kernel_calls == {"down": 2, "add": 2, "tokens": 2}
@@ -228,9 +238,10 @@ def test_lora_glu_linear(kernel_calls):
 def test_custom_ops_pass_opcheck_and_compile_fullgraph():
     tests = ("test_schema", "test_faketensor", "test_aot_dispatch_static")
     x, a, h = torch.randn(9, 20).to(torch.bfloat16), torch.randn(3, 20), torch.randn(9, 3)
-    torch.library.opcheck(torch.ops.foak.lowrank_down, (x, a, 0.5), test_utils=tests)
-    torch.library.opcheck(torch.ops.foak.lowrank_add, (x.clone(), h, a, 0.5, True), test_utils=tests)
-    torch.library.opcheck(torch.ops.foak.lowrank_tokens, (x, h, 2.0), test_utils=tests)
+    for seed, p in ((None, 0.0), (torch.tensor([7]), 0.2)):
+        torch.library.opcheck(torch.ops.foak.lowrank_down, (x, a, 0.5, seed, p), test_utils=tests)
+        torch.library.opcheck(torch.ops.foak.lowrank_add, (x.clone(), h, a, 0.5, True, seed, p), test_utils=tests)
+        torch.library.opcheck(torch.ops.foak.lowrank_tokens, (x, h, 2.0, seed, p), test_utils=tests)
     # a LoRA projection with fp32 adapters on a bf16 base, compiled whole (forward and backward)
     torch._dynamo.reset()
     _, layer = _peft_layer(37, 19, 7, bias=True, base_dtype=torch.bfloat16, adapter_dtype=torch.float32)
@@ -245,3 +256,37 @@ def test_custom_ops_pass_opcheck_and_compile_fullgraph():
     ref = step(x, lora_a, lora_b)
     ref_grads = torch.autograd.grad(ref.float().square().sum(), (x, lora_a, lora_b))
     assert torch.equal(out, ref) and all(torch.equal(g, r) for g, r in zip(grads, ref_grads))
+
+
+@pytest.mark.parametrize(("m", "k", "n", "r"), [(70, 130, 66, 7), (9, 10, 5, 3)])
+def test_dropout_mask_is_lora_dropouts(m, k, n, r, split):
+    # the kernels' tiles of the mask are foak.ops.lora's mask (a row at a time there): the same elements dropped
+    from foak.ops.lora import lora_dropout_mask
+    from foak.ops.lowrank import (
+        lowrank_add_reference,
+        lowrank_down_reference,
+        lowrank_tokens_reference,
+    )
+
+    seed, p = torch.tensor([123]), 0.3
+    x, a = torch.randn(m, k).to(torch.bfloat16), torch.randn(r, k)
+    keep_x = lora_dropout_mask(seed, (m, k), p)
+    dropped = torch.where(keep_x, x.double() / (1 - p), 0.0)
+    got = lowrank_down(x, a, 0.5, keep=(seed, p))
+    assert relative_error(got, 0.5 * dropped @ a.double().t()) <= 1e-6
+    assert relative_error(lowrank_down_reference(x, a, 0.5, keep=(seed, p)), got) <= 1e-6
+    g = torch.randn(m, r)
+    got = lowrank_tokens(x, g, 2.0, keep=(seed, p))
+    assert relative_error(got, 2.0 * dropped.t() @ g.double()) <= 1e-6
+    assert relative_error(lowrank_tokens_reference(x, g, 2.0, keep=(seed, p)), got) <= 1e-6
+    out, b = torch.randn(m, n).to(torch.bfloat16), torch.randn(n, r)
+    keep_out = lora_dropout_mask(seed, (m, n), p)
+    exact = out.double() + torch.where(keep_out, 0.5 * g.double() @ b.double().t() / (1 - p), 0.0)
+    got = lowrank_add_(out.clone(), g, b, 0.5, keep=(seed, p))
+    assert ((got.double() - exact).abs() <= exact.abs() * 2**-8 + 1e-6).all()
+    torch.testing.assert_close(lowrank_add_reference(out.clone(), g, b, 0.5, keep=(seed, p)), got, rtol=0,
+                               atol=2**-7 * exact.abs().max().item())
+    with pytest.raises(ValueError, match="seed must be a one-element int64 tensor"):
+        lowrank_down(x, a, keep=(5, p))
+    with pytest.raises(ValueError, match=r"probability must be in \(0, 1\)"):
+        lowrank_down(x, a, keep=(seed, 1.0))

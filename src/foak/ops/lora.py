@@ -51,6 +51,7 @@ import triton.language as tl
 from foak.backend import use_triton
 from foak.ops._checks import check_float_tensor, check_same_device, rows_view
 from foak.ops._custom_op import custom_op
+from foak.ops._philox_mask import drop_threshold, keep_mask_row
 from foak.ops.lowrank import SIXTEEN_BIT, lowrank_add_, lowrank_down, lowrank_tokens
 
 # Launch knobs: quads of 4 columns per program (one Philox call makes the 4 randoms of a quad).
@@ -86,11 +87,6 @@ def _seed_tensor(op: str, seed, device: torch.device) -> torch.Tensor:
     return torch.tensor([int(seed)], dtype=torch.int64, device=device)
 
 
-def _drop_threshold(p: float) -> int:
-    """31-bit threshold: an element is kept iff its 31-bit random value is >= this."""
-    return min(round(p * 2**31), 2**31 - 1)
-
-
 # 1. reference -------------------------------------------------------------------------------------
 def _mul32(a: int, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """High and low 32 bits of ``a * b`` for a 32-bit constant ``a`` and int64 ``b`` in [0, 2**32),
@@ -121,7 +117,7 @@ def lora_dropout_mask_reference(seed: torch.Tensor, n_rows: int, n_cols: int, p:
     rows = torch.arange(n_rows, dtype=torch.int64, device=seed.device)[:, None]
     counter = rows * n_quads + torch.arange(n_quads, dtype=torch.int64, device=seed.device)[None, :]
     words = torch.stack(_philox_reference(seed, counter), dim=-1).reshape(n_rows, 4 * n_quads)
-    return (words[:, :n_cols] >> 1) >= _drop_threshold(p)
+    return (words[:, :n_cols] >> 1) >= drop_threshold(p)
 
 
 def _dropout_reference(xa: torch.Tensor, seed: torch.Tensor, p: float) -> torch.Tensor:
@@ -180,16 +176,6 @@ def _check_quantized(op: str, weight) -> None:
 
 
 # 2. kernels ---------------------------------------------------------------------------------------
-@triton.jit
-def _keep_mask(seed, row, quads, n_quads, threshold):
-    """[QUADS, 4] keep mask of row ``row``, columns ``4 * quads + (0..3)``."""
-    r0, r1, r2, r3 = tl.randint4x(seed, row * n_quads + quads)
-    lane = tl.arange(0, 4)[None, :]
-    r = tl.where(lane == 0, r0[:, None],
-                 tl.where(lane == 1, r1[:, None], tl.where(lane == 2, r2[:, None], r3[:, None])))
-    return (r >> 1).to(tl.int32, bitcast=True) >= threshold
-
-
 @triton.jit(do_not_specialize=["threshold"])
 def _dropout_forward_kernel(X, x_stride, OUT, out_stride, SEED, n_cols, n_quads, threshold, scale,
                             QUADS: tl.constexpr):
@@ -197,7 +183,7 @@ def _dropout_forward_kernel(X, x_stride, OUT, out_stride, SEED, n_cols, n_quads,
     quads = tl.program_id(1) * QUADS + tl.arange(0, QUADS)
     cols = quads[:, None] * 4 + tl.arange(0, 4)[None, :]
     in_row = cols < n_cols
-    keep = _keep_mask(tl.load(SEED), row, quads, n_quads, threshold)
+    keep = keep_mask_row(tl.load(SEED), row, quads, n_quads, threshold)
     x = tl.load(X + row * x_stride + cols, mask=in_row, other=0.0).to(tl.float32)
     tl.store(OUT + row * out_stride + cols, tl.where(keep, x * scale, 0.0).to(OUT.dtype.element_ty), mask=in_row)
 
@@ -211,7 +197,7 @@ def _dropout_backward_kernel(X, x_stride, DXA, DX, SEED, n_cols, n_quads, thresh
     quads = tl.program_id(1) * QUADS + tl.arange(0, QUADS)
     cols = quads[:, None] * 4 + tl.arange(0, 4)[None, :]
     in_row = cols < n_cols
-    keep = _keep_mask(tl.load(SEED), row, quads, n_quads, threshold)
+    keep = keep_mask_row(tl.load(SEED), row, quads, n_quads, threshold)
     offs = row * n_cols + cols
     dxa = tl.load(DXA + offs, mask=in_row, other=0.0).to(tl.float32)
     dx = tl.load(DX + offs, mask=in_row, other=0.0).to(tl.float32)
@@ -234,7 +220,7 @@ def _dropout_forward_launch(x2d: torch.Tensor, seed: torch.Tensor, p: float, out
         return
     n_quads, quads, grid = _launch_config(n_rows, n_cols)
     _dropout_forward_kernel[grid](x2d, x2d.stride(0), out, out.stride(0), seed, n_cols, n_quads,
-                                  _drop_threshold(p), 1.0 / (1.0 - p), QUADS=quads, num_warps=TUNING["warps"])
+                                  drop_threshold(p), 1.0 / (1.0 - p), QUADS=quads, num_warps=TUNING["warps"])
 
 
 def _dropout_backward_launch(x2d, dxa, dx, seed, p: float, store_xd: bool) -> None:
@@ -242,7 +228,7 @@ def _dropout_backward_launch(x2d, dxa, dx, seed, p: float, store_xd: bool) -> No
     if x2d.numel() == 0:
         return
     n_quads, quads, grid = _launch_config(n_rows, n_cols)
-    _dropout_backward_kernel[grid](x2d, x2d.stride(0), dxa, dx, seed, n_cols, n_quads, _drop_threshold(p),
+    _dropout_backward_kernel[grid](x2d, x2d.stride(0), dxa, dx, seed, n_cols, n_quads, drop_threshold(p),
                                    1.0 / (1.0 - p), STORE_XD=store_xd, QUADS=quads, num_warps=TUNING["warps"])
 
 
@@ -274,10 +260,15 @@ def _mixed(big: torch.Tensor, adapter: torch.Tensor) -> bool:
     return big.dtype in SIXTEEN_BIT and adapter.dtype == torch.float32
 
 
+def _keep(seed, p):
+    """foak.ops.lowrank's ``keep`` argument: this op's dropout mask (None without dropout)."""
+    return (seed, p) if p > 0 else None
+
+
 def _down_projection(x2d, lora_A, p, seed):
     """``dropout(x cast to the adapters' dtype) A^T``, the saved [tokens, r] product."""
-    if p == 0 and _mixed(x2d, lora_A):
-        return lowrank_down(x2d, lora_A)
+    if _mixed(x2d, lora_A):
+        return lowrank_down(x2d, lora_A, keep=_keep(seed, p))
     return torch.mm(_adapter_input(x2d, lora_A.dtype, p, seed), lora_A.t())
 
 
@@ -294,8 +285,8 @@ def _adapter_output_grads(dy, h, lora_B, scaling, need_B, need_g=True):
 def _down_weight_grad(g, x2d, lora_A, p, seed, xa=None):
     """``dA = g^T dropout(x cast to the adapters' dtype)``; ``xa``: that input when the caller has it."""
     if xa is None:
-        if p == 0 and _mixed(x2d, lora_A):
-            return lowrank_tokens(x2d, g).t().contiguous()
+        if _mixed(x2d, lora_A):
+            return lowrank_tokens(x2d, g, keep=_keep(seed, p)).t().contiguous()
         xa = (_dropout_op(x2d, seed, p, lora_A.dtype) if p > 0
               else x2d if x2d.dtype == lora_A.dtype else x2d.to(lora_A.dtype))
     return torch.mm(g.t(), xa)
@@ -391,14 +382,17 @@ def _add_input_grad_base(dx, dys, weights):
 
 def _adapter_input_grad(dx, g, lora_A, x2d, seed, p, dtype, want_xd):
     """dx += mask / (1 - p) * (g A) (dx None: a new tensor of ``dtype``). Returns (dx, dropout(x) or None):
-    with ``want_xd`` and p > 0 the dropped-out input for dA, regenerated from the seed."""
+    with ``want_xd`` and p > 0 the dropped-out input for dA, regenerated from the seed (not with fp32 adapters
+    on a 16-bit dx: :func:`_down_weight_grad` applies the mask itself there)."""
+    if (dtype if dx is None else dx.dtype) in SIXTEEN_BIT and lora_A.dtype == torch.float32:
+        if dx is None:
+            dx = g.new_empty((g.shape[0], lora_A.shape[1]), dtype=dtype)
+            return lowrank_add_(dx, g, lora_A.t(), accumulate=False, keep=_keep(seed, p)), None
+        return lowrank_add_(dx, g, lora_A.t(), keep=_keep(seed, p)), None
     if p == 0:
         if dx is not None:
             _add_down_grad(dx, g, lora_A)
             return dx, None
-        if dtype in SIXTEEN_BIT and lora_A.dtype == torch.float32:
-            return lowrank_add_(g.new_empty((g.shape[0], lora_A.shape[1]), dtype=dtype), g, lora_A.t(),
-                                accumulate=False), None
         dxa = torch.mm(g, lora_A)
         return (dxa if dxa.dtype == dtype else dxa.to(dtype)), None
     dxa = torch.mm(g, lora_A)
@@ -429,8 +423,6 @@ def _add_down_grad(dx, g, lora_A):
     """dx += g A (no dropout)."""
     if dx.dtype == lora_A.dtype:
         dx.addmm_(g, lora_A)
-    elif _mixed(dx, lora_A):
-        lowrank_add_(dx, g, lora_A.t())
     else:
         dx.add_(torch.mm(g, lora_A))
 
