@@ -169,8 +169,11 @@ def main() -> int:
                       "dy-grads fma": time(lambda: (lowrank_tokens(dy, h), lowrank_down(dy, b.t()))),
                       "dA fma": time(lambda: lowrank_tokens(x, g)),
                       "proj foak-fma": time(variants["foak"])})
+        dropped = fwd_bwd(lambda t_: lora_linear(t_, *args_of(layer), dropout_p=0.1), x, dy, leaves)
+        t["proj foak p0.1"] = time(dropped)
         with torch_path():
             t["proj foak-torch-path"] = time(variants["foak"])
+            t["proj foak-torch-path p0.1"] = time(dropped)
         layer16 = peft_layer(n_in, n_out, r, device, torch.bfloat16)
         t["proj foak bf16 adapters"] = time(fwd_bwd(lambda t_: lora_linear(t_, *args_of(layer16)), x, dy,
                                                     [layer16.lora_A["default"].weight, layer16.lora_B["default"].weight]))
@@ -186,6 +189,8 @@ def main() -> int:
           "(lowrank/fma/torch)")
     for row in rows:
         t = row["ms"]
+        print(f"{row['shape']:5s} | dropout 0.1: foak {t['proj foak p0.1']:.2f}  torch-path "
+              f"{t['proj foak-torch-path p0.1']:.2f}")
         print(f"{row['shape']:5s} | {t['proj foak']:.2f}  {t['proj foak-fma']:.2f}  {t['proj foak-torch-path']:.2f}  "
               f"{t['proj foak bf16 adapters']:.2f}  {t['proj peft']:.2f} | "
               + "  ".join(f"{t[k + ' lowrank']:.3f}/{t[k + ' fma']:.3f}/{t[k + ' torch']:.3f}"
