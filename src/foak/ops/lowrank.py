@@ -170,14 +170,13 @@ def _tokens_kernel(X, sxm, sxn, G, sgm, sgr, P, M, N, R, rows_per_split, rank_bl
     acc = tl.zeros((BN, BR), dtype=tl.float32)
     for m0 in range(first, end, BM):
         rows = m0 + tl.arange(0, BM)
-        xt = tl.load(X + rows[None, :] * sxm + cols[:, None] * sxn, mask=(rows[None, :] < end) & (cols[:, None] < N),
-                     other=0.0)
+        x = tl.load(X + rows[:, None] * sxm + cols[None, :] * sxn, mask=(rows[:, None] < end) & (cols[None, :] < N),
+                    other=0.0)
         if DROPOUT:
-            keep = keep_mask_tile(tl.load(SEED), rows, col0, tl.cdiv(N, 4), threshold, BM, BN)
-            xt = tl.where(tl.trans(keep), xt, 0.0)
+            x = tl.where(keep_mask_tile(tl.load(SEED), rows, col0, tl.cdiv(N, 4), threshold, BM, BN), x, 0.0)
         g = tl.load(G + rows[:, None] * sgm + ranks[None, :] * sgr, mask=(rows[:, None] < end) & (ranks[None, :] < R),
                     other=0.0)
-        acc = _dot(xt, g, acc, SPLIT)
+        acc = _dot(tl.trans(x), g, acc, SPLIT)
     tl.store(P + split * N * R + cols[:, None] * R + ranks[None, :], acc,
              mask=(cols[:, None] < N) & (ranks[None, :] < R))
 
