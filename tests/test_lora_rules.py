@@ -267,7 +267,7 @@ def test_fp32_adapters_under_bf16_autocast():
 def test_fp32_adapters_on_a_bf16_model_without_autocast(monkeypatch):
     """A custom loop on a bf16 model with PEFT's default fp32 adapters and no autocast: the adapters' products run
     in fp32 (foak.ops.lowrank's kernels, counted), the training matches PEFT's, and the report says how many
-    calls took that (slower) arithmetic; under autocast none does."""
+    calls took that arithmetic; under autocast none does."""
     from foak.ops import lowrank
 
     launches = {"n": 0}

@@ -114,8 +114,8 @@ class _Counts(CallCounts):
             self.bump(self.peft, reason)
         text = f"fused {self.fused} call{'s' if self.fused != 1 else ''}"
         if self.fp32:
-            text += (f" ({self.fp32} with fp32 adapters on 16-bit activations outside autocast: fp32 adapter math, "
-                     "slower than under autocast)")
+            text += (f" ({self.fp32} with fp32 adapters on 16-bit activations outside autocast: fp32 adapter math; "
+                     "under autocast it is bf16)")
         if self.peft:
             total = sum(self.peft.values())
             reasons = ", ".join(f"{why} ({n})" for why, n in sorted(self.peft.items()))
