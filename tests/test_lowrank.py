@@ -161,17 +161,18 @@ def _check_against_peft_and_fp64(got, peft, exact):
         assert err <= 2 * peft_err + 1e-6, (err, peft_err)
 
 
-@pytest.mark.parametrize("p", [0.0, 0.25])
-def test_lora_linear_and_shared_input_projections(kernel_calls, p):
+@pytest.mark.parametrize(("p", "dtype"), [(0.0, torch.bfloat16), (0.25, torch.bfloat16), (0.25, torch.float16)])
+def test_lora_linear_and_shared_input_projections(kernel_calls, p, dtype):
+    # (an fp16 base, as with a GradScaler: the FMA dots, no bf16 split)
     tokens, in_f, outs, ranks = 70, 45, [38, 23], [5, 9]
-    _, layers = _peft_layers(in_f, outs, ranks, alpha=8, bias=[True, False], base_dtype=torch.bfloat16,
+    _, layers = _peft_layers(in_f, outs, ranks, alpha=8, bias=[True, False], base_dtype=dtype,
                              adapter_dtype=torch.float32)
-    x = torch.randn(tokens, in_f).to(torch.bfloat16)
+    x = torch.randn(tokens, in_f).to(dtype)
     seeds = [torch.tensor([11]), torch.tensor([12])] if p else [None, None]
     if p:  # PEFT's layers drop out with foak's masks
         for layer, seed in zip(layers, seeds):
             _use_mask(layer, lora_dropout_mask(seed, x.shape, p), p)
-    dys = [torch.randn(tokens, o).to(torch.bfloat16) for o in outs]
+    dys = [torch.randn(tokens, o).to(dtype) for o in outs]
     leaves = [t for layer in layers for t in (layer.lora_A["default"].weight, layer.lora_B["default"].weight)]
 
     def run(fn, x=x, dys=dys, leaves=leaves):
