@@ -7,7 +7,8 @@ every linear layer, HF gradient checkpointing (non-reentrant unless --reentrant)
 No autocast by default: PEFT's adapters are fp32 (its default) on the bf16 base, and PEFT (with foak following its
 arithmetic) sums their fp32 products into the bf16 outputs, while Unsloth casts its adapters to bf16; ``--autocast``
 runs every step under torch.autocast(bf16), as HF's Trainer(bf16=True) does, where every framework's adapter GEMMs
-are bf16. ``--profile`` adds one profiled step per run (its top kernels in the record).
+are bf16. ``--lowrank-cuda``: foak forms those fp32 products with foak.ops.lowrank's kernels (no fp32 copies; off on
+CUDA by default until their GPU check). ``--profile`` adds one profiled step per run (its top kernels in the record).
 
     python benchmarks/long_context.py --out $OUT --lengths 131072 196608 --frameworks foak liger
     python benchmarks/long_context.py --cpu-smoke            # tiny dims on CPU: the code path only
@@ -123,7 +124,7 @@ def measure(model, framework: str, length: int, ids, smoke: bool, warmup: int, q
         torch.cuda.synchronize()
     seconds = time.perf_counter() - start
     record = {"framework": framework, "length": length, "reentrant": reentrant, "warmup_steps": warmup,
-              "base": "nf4" if qlora else "bf16", "autocast": AUTOCAST,
+              "base": "nf4" if qlora else "bf16", "autocast": AUTOCAST, "lowrank_cuda": LOWRANK_CUDA,
               "loss": float(loss.detach()),
               "step_s": seconds, "tokens_per_s": length / seconds}
     if not smoke:
@@ -144,6 +145,7 @@ def measure(model, framework: str, length: int, ids, smoke: bool, warmup: int, q
 
 PROFILE = False  # --profile: one more step under torch.profiler after the timed one
 AUTOCAST = False  # --autocast: every step under torch.autocast(bf16), as HF's Trainer(bf16=True) runs it
+LOWRANK_CUDA = False  # --lowrank-cuda: foak's LoRA ops take foak.ops.lowrank's kernels on CUDA (fp32 adapters)
 
 
 def profile_step(step, top: int = 30) -> list[dict]:
@@ -520,6 +522,9 @@ def main() -> None:
     parser.add_argument("--autocast", action="store_true",
                         help="every step under torch.autocast(bf16), as HF's Trainer(bf16=True) runs its forward "
                              "(PEFT's fp32 adapters then compute in bf16)")
+    parser.add_argument("--lowrank-cuda", action="store_true",
+                        help="foak's LoRA ops form fp32 adapter products with foak.ops.lowrank's kernels on CUDA too "
+                             "(off there by default until benchmarks/lowrank.py has checked them on a GPU)")
     parser.add_argument("--profile", action="store_true",
                         help="GPU: one more step under torch.profiler; its top kernels go into the record")
     parser.add_argument("--warmup-steps", type=int, default=0, help="untimed steps before the measured one")
@@ -538,8 +543,12 @@ def main() -> None:
     parser.add_argument("--dims", choices=["8b", "tiny", "check"], default=None, help=argparse.SUPPRESS)
     parser.add_argument("--loss-length", type=int, default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
-    global PROFILE, AUTOCAST
-    PROFILE, AUTOCAST = args.profile, args.autocast
+    global PROFILE, AUTOCAST, LOWRANK_CUDA
+    PROFILE, AUTOCAST, LOWRANK_CUDA = args.profile, args.autocast, args.lowrank_cuda
+    if LOWRANK_CUDA:
+        from foak.ops import lowrank
+
+        lowrank.USE["cuda"] = True
     if args.pinned_register:
         os.environ["FOAK_BENCH_PINNED_REGISTER"] = "1"
     if args.pin_probe is not None:
@@ -599,6 +608,7 @@ def main() -> None:
             command += ["--reentrant"] * args.reentrant + ["--cpu-smoke"] * args.cpu_smoke + ["--qlora"] * args.qlora
             command += ["--warmup-steps", str(args.warmup_steps)]
             command += ["--profile"] * args.profile + ["--autocast"] * args.autocast
+            command += ["--lowrank-cuda"] * args.lowrank_cuda
             if args.offload_budget_gib is not None:
                 command += ["--offload-budget-gib", str(args.offload_budget_gib)]
             if framework in UNSLOTH_FRAMEWORKS:

@@ -23,7 +23,6 @@ import torch
 
 from foak.bench.measure import environment, install_interpreter_compat
 from foak.bench.measure import event_median_ms as timed_ms
-from foak.ops import lora as lora_mod
 from foak.ops import lowrank as lowrank_mod
 from foak.ops.lora import lora_linear
 from foak.ops.lowrank import lowrank_add_, lowrank_down, lowrank_tokens
@@ -48,12 +47,12 @@ def fma_dots():
 @contextlib.contextmanager
 def torch_path():
     """foak's LoRA ops with the fp32-copy torch path for mixed dtypes (what ran before ops.lowrank)."""
-    saved = lora_mod._mixed
-    lora_mod._mixed = lambda big, adapter: False
+    saved = dict(lowrank_mod.USE)
+    lowrank_mod.USE.update(cuda=False, cpu=False)
     try:
         yield
     finally:
-        lora_mod._mixed = saved
+        lowrank_mod.USE.update(saved)
 
 
 def peft_layer(n_in, n_out, r, device, adapter_dtype):
@@ -93,6 +92,7 @@ def main() -> int:
     args = parser.parse_args()
     device, m, r = torch.device(args.device), args.tokens, args.rank
     cuda = device.type == "cuda"
+    lowrank_mod.USE[device.type] = True  # the LoRA ops take the kernels (off on CUDA by default until this check)
     if not cuda:
         install_interpreter_compat()  # bf16 rounding in the interpreter (the tests' layer)
     scale = 1 / 64 if not cuda else 1  # CPU smoke: small shapes

@@ -200,8 +200,13 @@ def test_fp32_adapters_under_cpu_autocast(x_dtype, p):
         assert relative_error(got, own) <= 2e-2, name
 
 
+@pytest.mark.parametrize("lowrank_kernels", [True, False])
 @pytest.mark.parametrize("p", [0.0, 0.2])
-def test_bf16_base_with_fp32_adapters_without_autocast(p):
+def test_bf16_base_with_fp32_adapters_without_autocast(p, lowrank_kernels, monkeypatch):
+    # foak.ops.lowrank's kernels, and torch's fp32-copy path (where they are off: CUDA until their GPU check)
+    from foak.ops import lowrank
+
+    monkeypatch.setitem(lowrank.USE, "cpu", lowrank_kernels)
     # PEFT casts x to the adapters' fp32, adds in fp32 and casts the sum back to bf16
     _, layer = _peft_layer(33, 17, 7, dropout=p, base_dtype=torch.bfloat16, adapter_dtype=torch.float32)
     x = torch.randn(11, 33).to(torch.bfloat16)

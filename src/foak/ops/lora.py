@@ -49,6 +49,7 @@ import triton
 import triton.language as tl
 
 from foak.backend import use_triton
+from foak.ops import lowrank as lowrank_mod
 from foak.ops._checks import check_float_tensor, check_same_device, rows_view
 from foak.ops._custom_op import custom_op
 from foak.ops._philox_mask import drop_threshold, keep_mask_row
@@ -256,8 +257,13 @@ def _dropout_backward_op(x2d: torch.Tensor, dxa: torch.Tensor, dx: torch.Tensor,
 
 def _mixed(big: torch.Tensor, adapter: torch.Tensor) -> bool:
     """fp32 adapters with a 16-bit operand (a bf16 base outside autocast): the adapter's products are formed in
-    fp32 by foak.ops.lowrank's kernels, which read the operand in its own dtype (no fp32 copy of it)."""
-    return big.dtype in SIXTEEN_BIT and adapter.dtype == torch.float32
+    fp32 by foak.ops.lowrank's kernels, which read the operand in its own dtype (no fp32 copy of it), on the
+    devices of ``foak.ops.lowrank.USE``."""
+    return _mixed_dtypes(big.dtype, adapter, big.device)
+
+
+def _mixed_dtypes(dtype: torch.dtype, adapter: torch.Tensor, device: torch.device) -> bool:
+    return dtype in SIXTEEN_BIT and adapter.dtype == torch.float32 and lowrank_mod.USE.get(device.type, False)
 
 
 def _keep(seed, p):
@@ -384,7 +390,7 @@ def _adapter_input_grad(dx, g, lora_A, x2d, seed, p, dtype, want_xd):
     """dx += mask / (1 - p) * (g A) (dx None: a new tensor of ``dtype``). Returns (dx, dropout(x) or None):
     with ``want_xd`` and p > 0 the dropped-out input for dA, regenerated from the seed (not with fp32 adapters
     on a 16-bit dx: :func:`_down_weight_grad` applies the mask itself there)."""
-    if (dtype if dx is None else dx.dtype) in SIXTEEN_BIT and lora_A.dtype == torch.float32:
+    if _mixed_dtypes(dtype if dx is None else dx.dtype, lora_A, g.device):
         if dx is None:
             dx = g.new_empty((g.shape[0], lora_A.shape[1]), dtype=dtype)
             return lowrank_add_(dx, g, lora_A.t(), accumulate=False, keep=_keep(seed, p)), None

@@ -44,6 +44,10 @@ from foak.ops._philox_mask import drop_threshold, keep_mask_tile
 # "ranks": the largest rank block; "split": the bf16 tensor-core products below (else fp32 FMA dots)
 TUNING = {"rows": 64, "cols": 64, "ranks": 64, "warps": 4, "programs": 1024, "split": True}
 SIXTEEN_BIT = (torch.bfloat16, torch.float16)
+# Device types on which foak.ops.lora takes these kernels for fp32 adapters on 16-bit activations (else torch's
+# fp32-copy path): CUDA once benchmarks/lowrank.py has checked them on a GPU. Set USE["cuda"] = True to use them
+# there before that.
+USE = {"cpu": True, "cuda": False}
 
 
 # 1. reference -------------------------------------------------------------------------------------
