@@ -169,7 +169,9 @@ def path(request, monkeypatch):
     return request.param
 
 
-@pytest.mark.parametrize(("p", "dtype"), [(0.0, torch.bfloat16), (0.25, torch.bfloat16), (0.25, torch.float16)])
+@pytest.mark.parametrize(("path", "p", "dtype"), [
+    ("lowrank", 0.0, torch.bfloat16), ("lowrank", 0.25, torch.bfloat16), ("lowrank", 0.25, torch.float16),
+    ("torch", 0.0, torch.bfloat16), ("torch", 0.25, torch.bfloat16)], indirect=["path"])
 def test_lora_linear_and_shared_input_projections(kernel_calls, p, dtype, path):
     # (an fp16 base, as with a GradScaler: the FMA dots, no bf16 split)
     tokens, in_f, outs, ranks = 70, 45, [38, 23], [5, 9]
