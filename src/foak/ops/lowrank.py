@@ -194,10 +194,11 @@ def _rank_block(r: int) -> int:
     return max(16, min(TUNING["ranks"], triton.next_power_of_2(r)))
 
 
-def _keep_args(keep, scale, device):
-    """(scale with 1 / (1 - p) folded in, seed tensor, threshold, DROPOUT) for the kernels."""
+def _keep_args(keep, scale, unused):
+    """(scale with 1 / (1 - p) folded in, seed tensor, threshold, DROPOUT) for the kernels; without dropout the
+    seed pointer is ``unused`` (any tensor of the call: the kernels do not read it then, so nothing is allocated)."""
     if keep is None:
-        return scale, torch.empty(1, dtype=torch.int64, device=device), 0, False
+        return scale, unused, 0, False
     seed, p = keep
     return scale / (1.0 - p), seed, drop_threshold(p), True
 
@@ -207,7 +208,7 @@ def _down_launch(x, a, scale, h, keep=None):
     if m == 0:
         return
     bm, bk, br = TUNING["rows"], TUNING["cols"], _rank_block(r)
-    scale, seed, threshold, dropout = _keep_args(keep, scale, x.device)
+    scale, seed, threshold, dropout = _keep_args(keep, scale, h)
     _down_kernel[(triton.cdiv(m, bm), triton.cdiv(r, br))](
         x, x.stride(0), x.stride(1), a, a.stride(0), a.stride(1), h, h.stride(0), h.stride(1), m, k, r, scale,
         seed, threshold, DROPOUT=dropout, SPLIT=_split(x), BM=bm, BK=bk, BR=br, num_warps=TUNING["warps"])
@@ -218,11 +219,11 @@ def _add_launch(out, h, b, scale, accumulate, keep=None):
     if out.numel() == 0:
         return
     bm, bn = TUNING["rows"], TUNING["cols"]
-    scale, seed, threshold, dropout = _keep_args(keep, scale, out.device)
+    scale, seed, threshold, dropout = _keep_args(keep, scale, out)
     _add_kernel[(triton.cdiv(m, bm), triton.cdiv(n, bn))](
         out, out.stride(0), out.stride(1), h, h.stride(0), h.stride(1), b, b.stride(0), b.stride(1), m, n, r, scale,
-        seed, threshold, DROPOUT=dropout, ACCUMULATE=accumulate, SPLIT=bool(TUNING["split"]), BM=bm, BN=bn, BR=_rank_block(r),
-        num_warps=TUNING["warps"])
+        seed, threshold, DROPOUT=dropout, ACCUMULATE=accumulate, SPLIT=bool(TUNING["split"]), BM=bm, BN=bn,
+        BR=_rank_block(r), num_warps=TUNING["warps"])
 
 
 def _tokens_launch(x, g, scale, keep=None):
@@ -234,7 +235,7 @@ def _tokens_launch(x, g, scale, keep=None):
     rows_per_split = max(1, triton.cdiv(triton.cdiv(m, splits), bm)) * bm
     splits = max(1, triton.cdiv(m, rows_per_split))
     partial = torch.empty((splits, n, r), dtype=torch.float32, device=x.device)
-    scale, seed, threshold, dropout = _keep_args(keep, scale, x.device)
+    scale, seed, threshold, dropout = _keep_args(keep, scale, partial)
     if m and n:
         _tokens_kernel[(col_blocks, splits)](x, x.stride(0), x.stride(1), g, g.stride(0), g.stride(1), partial, m,
                                              n, r, rows_per_split, triton.cdiv(r, br), seed, threshold,

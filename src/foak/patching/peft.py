@@ -198,9 +198,15 @@ def is_fused_lora_layer(module) -> bool:
     return _layer_counts(module) is not None
 
 
+def _active_adapter(module) -> str:
+    """The name of the one active adapter of a layer whose calls are fused (_fallback_reason checked there is one)."""
+    (name,) = [a for a in module.active_adapters if a in module.lora_A]
+    return name
+
+
 def _projection_spec(module, x):
     """(weight, bias, lora_A, lora_B, scaling, dropout_p, seed) of the one active adapter, for foak.ops.lora."""
-    (name,) = [a for a in module.active_adapters if a in module.lora_A]
+    name = _active_adapter(module)
     dropout = module.lora_dropout[name]
     p = float(dropout.p) if isinstance(dropout, nn.Dropout) and dropout.training else 0.0
     base = module.base_layer
@@ -225,8 +231,8 @@ def count_fused(module: nn.Module, x: torch.Tensor) -> None:
 
 def _fp32_adapter_math(module, x) -> bool:
     """fp32 adapters on a 16-bit input outside autocast: PEFT's (and foak's) adapter products run in fp32."""
-    (name,) = [a for a in module.active_adapters if a in module.lora_A]
-    return (x.dtype in (torch.bfloat16, torch.float16) and module.lora_A[name].weight.dtype == torch.float32
+    return (x.dtype in (torch.bfloat16, torch.float16)
+            and module.lora_A[_active_adapter(module)].weight.dtype == torch.float32
             and not torch.is_autocast_enabled(x.device.type))
 
 
