@@ -457,3 +457,31 @@ def test_lora_layers_on_other_bases_are_left_to_peft_and_named():
     assert row.modules == LAYERS and "left to PEFT: 1 Embedding (no fused kernel for this base yet)" in row.note
     assert_same_training(model, ref)
     assert calls(report) == (LAYERS, {})
+
+
+def test_fp32_adapters_on_a_bf16_model_with_dropout_under_gradient_checkpointing(monkeypatch):
+    """The lowrank path (fp32 adapters on a bf16 model, no autocast) with dropout under non-reentrant
+    checkpointing: the recomputation regenerates the masks from the saved seeds, so the step equals the
+    uncheckpointed one; the q/k/v block, a single layer and the LoRA MLP's down projection."""
+    from foak.ops import lowrank
+
+    launches = {"n": 0}
+    tokens = lowrank._tokens_launch
+    monkeypatch.setattr(lowrank, "_tokens_launch",
+                        lambda *a: (launches.__setitem__("n", launches["n"] + 1), tokens(*a))[1])
+    targets = ["q_proj", "k_proj", "v_proj", "o_proj", "down_proj"]
+    ref = get_peft_model(tiny_model("llama").to(torch.bfloat16), lora_config(targets, lora_dropout=0.1))
+    plain, _ = patched_pair(ref, fused_lora=True, fast_swiglu=True)
+    checkpointed, report = patched_pair(ref, fused_lora=True, fast_swiglu=True)
+    checkpointed.base_model.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    checkpointed.enable_input_require_grads()
+    plain.train(), checkpointed.train()
+    torch.manual_seed(11)
+    loss, grads = loss_and_grads(plain)
+    torch.manual_seed(11)
+    loss_ckpt, grads_ckpt = loss_and_grads(checkpointed)
+    assert_close(loss_ckpt, loss, "loss with checkpointing")
+    for name, g in grads.items():
+        assert g.dtype == torch.float32
+        assert_close(grads_ckpt[name], g, f"grad of {name} with checkpointing")
+    assert calls(report)[0] == LAYERS * len(targets) * 2 and launches["n"] > 0  # forward and recomputation
