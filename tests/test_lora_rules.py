@@ -485,3 +485,43 @@ def test_fp32_adapters_on_a_bf16_model_with_dropout_under_gradient_checkpointing
         assert g.dtype == torch.float32
         assert_close(grads_ckpt[name], g, f"grad of {name} with checkpointing")
     assert calls(report)[0] == LAYERS * len(targets) * 2 and launches["n"] > 0  # forward and recomputation
+
+
+def test_fp32_adapters_on_an_fp16_model_with_grad_scaler(monkeypatch):
+    """fp16 weights, PEFT's fp32 adapters, no autocast, a GradScaler: the scaled backward runs the lowrank kernels'
+    FMA dots (fp16 operands); the unscaled adapter gradients and the optimizer step match PEFT's, no inf found."""
+    from foak.ops import lowrank
+
+    launches = {"n": 0}
+    add = lowrank._add_launch
+    monkeypatch.setattr(lowrank, "_add_launch", lambda *a: (launches.__setitem__("n", launches["n"] + 1), add(*a))[1])
+    ref = get_peft_model(tiny_model("llama").to(torch.float16), lora_config())
+    assert {p.dtype for n, p in ref.named_parameters() if "lora_" in n} == {torch.float32}
+    model, report = patched_pair(ref, fused_lora=True, **OTHER_SWITCHES)
+
+    def scaled_step(m):
+        params = [p for p in m.parameters() if p.requires_grad]
+        opt = torch.optim.SGD(params, lr=0.5)
+        scaler = torch.amp.GradScaler("cpu", init_scale=2.0**12)
+        m.zero_grad(set_to_none=True)
+        loss = m(**batch()).loss
+        scaler.scale(loss).backward()
+        scaler.unscale_(opt)
+        grads = {n: p.grad.clone() for n, p in m.named_parameters() if p.requires_grad}
+        found_inf = sum(v.item() for v in scaler._found_inf_per_device(opt).values())
+        scaler.step(opt)
+        scaler.update()
+        return loss.detach(), grads, found_inf, {n: p.detach().clone() for n, p in m.named_parameters()
+                                                 if p.requires_grad}
+
+    loss, grads, inf, after = scaled_step(model)
+    ref_loss, ref_grads, ref_inf, ref_after = scaled_step(ref)
+    assert inf == ref_inf == 0
+    assert_close(loss, ref_loss, "loss", 1e-2)
+    for name, g in grads.items():
+        assert g.dtype == torch.float32 and torch.isfinite(g).all(), name
+        assert_close(g, ref_grads[name], f"unscaled grad of {name}", 2e-2)  # measured: <= 6.2e-3
+        assert_close(after[name], ref_after[name], f"{name} after the step", 5e-3)  # measured: <= 1.1e-3
+    assert calls(report) == (LAYERS * 7, {}) and launches["n"] > 0
+    assert f"({LAYERS * 7} with fp32 adapters on 16-bit activations outside autocast" in \
+        report.result("llama.fused_lora").notes
