@@ -144,6 +144,18 @@ def main() -> int:
                 if checks[f"{variant}_{n}"] > 2 * checks[f"peft_{n}"] + 1e-6:
                     failures.append(f"{name} {variant} {n}: {checks[f'{variant}_{n}']:.2e} vs PEFT "
                                     f"{checks[f'peft_{n}']:.2e}")
+        # LoRA dropout (p 0.1): the kernels' per-tile masks vs foak's torch path (lora_dropout_mask), same seed:
+        # a mask that differs in any tile shows as an O(1) difference, the arithmetic as rounding
+        def with_dropout(context):
+            torch.manual_seed(5)
+            with context:
+                return fwd_bwd(lambda t_: lora_linear(t_, *args_of(layer), dropout_p=0.1), x, dy, leaves)()
+        got, ref = with_dropout(contextlib.nullcontext()), with_dropout(torch_path())
+        for n, v, e, tol in zip(("out", "dx", "dA", "dB"), got, ref, (1e-2, 1e-2, 1e-4, 1e-4)):
+            checks[f"dropout_{n}_vs_torch_path"] = rel(v, e)
+            if rel(v, e) > tol:
+                failures.append(f"{name} dropout {n}: {rel(v, e):.2e} from foak's torch path (> {tol})")
+        got = ref = None
         for k in ("add", "fma_add"):
             if checks[k] > 1.05 * checks["add_torch"]:
                 failures.append(f"{name} {k}: {checks[k]:.2e} vs torch's {checks['add_torch']:.2e}")
