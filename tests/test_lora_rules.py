@@ -101,6 +101,33 @@ def calls(report) -> tuple[int, dict[str, int]]:
     return (int(fused.group(1)) if fused else 0), peft_path
 
 
+def counted(monkeypatch, module, name) -> dict:
+    """{"n": calls so far} of module.name, wrapped for the test."""
+    launches, fn = {"n": 0}, getattr(module, name)
+
+    def wrapper(*args):
+        launches["n"] += 1
+        return fn(*args)
+    monkeypatch.setattr(module, name, wrapper)
+    return launches
+
+
+def checkpointed_step_equals_plain(ref, **switches):
+    """Patched copies of ref with and without HF's non-reentrant checkpointing, one training step each from the same
+    seed: the losses agree (fp32 tolerance); returns (plain grads, checkpointed grads, checkpointed copy's report)."""
+    plain, _ = patched_pair(ref, **switches)
+    checkpointed, report = patched_pair(ref, **switches)
+    checkpointed.base_model.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    checkpointed.enable_input_require_grads()
+    plain.train(), checkpointed.train()
+    torch.manual_seed(11)
+    loss, grads = loss_and_grads(plain)
+    torch.manual_seed(11)
+    loss_ckpt, grads_ckpt = loss_and_grads(checkpointed)
+    assert_close(loss_ckpt, loss, "loss with checkpointing")
+    return grads, grads_ckpt, report
+
+
 # ---- the fused path ---------------------------------------------------------------------------------
 
 
@@ -270,9 +297,7 @@ def test_fp32_adapters_on_a_bf16_model_without_autocast(monkeypatch):
     calls took that arithmetic; under autocast none does."""
     from foak.ops import lowrank
 
-    launches = {"n": 0}
-    down = lowrank._down_launch
-    monkeypatch.setattr(lowrank, "_down_launch", lambda *a: (launches.__setitem__("n", launches["n"] + 1), down(*a)))
+    launches = counted(monkeypatch, lowrank, "_down_launch")
     ref = get_peft_model(tiny_model("llama").to(torch.bfloat16), lora_config())  # PEFT casts adapters to fp32
     assert {p.dtype for n, p in ref.named_parameters() if "lora_" in n} == {torch.float32}
     model, report = patched_pair(ref, fused_lora=True, **OTHER_SWITCHES)
@@ -433,17 +458,7 @@ def test_dropout_masks_survive_gradient_checkpointing(reference_ops):
     """The fused op draws its dropout seed from torch's generator, whose state checkpointing restores for
     the recomputation: the recomputed forward uses the masks of the first one."""
     targets = ["q_proj", "k_proj", "v_proj", "down_proj"]  # the q/k/v block and a single layer (CI time)
-    ref = peft_llama(targets, lora_dropout=0.1)
-    plain, _ = patched_pair(ref, fused_lora=True)
-    checkpointed, report = patched_pair(ref, fused_lora=True)
-    checkpointed.base_model.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    checkpointed.enable_input_require_grads()
-    plain.train(), checkpointed.train()
-    torch.manual_seed(11)
-    loss, grads = loss_and_grads(plain)
-    torch.manual_seed(11)
-    loss_ckpt, grads_ckpt = loss_and_grads(checkpointed)
-    assert_close(loss_ckpt, loss, "loss with checkpointing")
+    grads, grads_ckpt, report = checkpointed_step_equals_plain(peft_llama(targets, lora_dropout=0.1), fused_lora=True)
     for name, g in grads.items():
         assert_close(grads_ckpt[name], g, f"grad of {name} with checkpointing")
     assert calls(report) == (LAYERS * len(targets) * 2, {})  # forward and recomputation
@@ -465,22 +480,10 @@ def test_fp32_adapters_on_a_bf16_model_with_dropout_under_gradient_checkpointing
     uncheckpointed one; the q/k/v block, a single layer and the LoRA MLP's down projection."""
     from foak.ops import lowrank
 
-    launches = {"n": 0}
-    tokens = lowrank._tokens_launch
-    monkeypatch.setattr(lowrank, "_tokens_launch",
-                        lambda *a: (launches.__setitem__("n", launches["n"] + 1), tokens(*a))[1])
+    launches = counted(monkeypatch, lowrank, "_tokens_launch")
     targets = ["q_proj", "k_proj", "v_proj", "o_proj", "down_proj"]
     ref = get_peft_model(tiny_model("llama").to(torch.bfloat16), lora_config(targets, lora_dropout=0.1))
-    plain, _ = patched_pair(ref, fused_lora=True, fast_swiglu=True)
-    checkpointed, report = patched_pair(ref, fused_lora=True, fast_swiglu=True)
-    checkpointed.base_model.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    checkpointed.enable_input_require_grads()
-    plain.train(), checkpointed.train()
-    torch.manual_seed(11)
-    loss, grads = loss_and_grads(plain)
-    torch.manual_seed(11)
-    loss_ckpt, grads_ckpt = loss_and_grads(checkpointed)
-    assert_close(loss_ckpt, loss, "loss with checkpointing")
+    grads, grads_ckpt, report = checkpointed_step_equals_plain(ref, fused_lora=True, fast_swiglu=True)
     for name, g in grads.items():
         assert g.dtype == torch.float32
         assert_close(grads_ckpt[name], g, f"grad of {name} with checkpointing")
@@ -492,9 +495,7 @@ def test_fp32_adapters_on_an_fp16_model_with_grad_scaler(monkeypatch):
     FMA dots (fp16 operands); the unscaled adapter gradients and the optimizer step match PEFT's, no inf found."""
     from foak.ops import lowrank
 
-    launches = {"n": 0}
-    add = lowrank._add_launch
-    monkeypatch.setattr(lowrank, "_add_launch", lambda *a: (launches.__setitem__("n", launches["n"] + 1), add(*a))[1])
+    launches = counted(monkeypatch, lowrank, "_add_launch")
     ref = get_peft_model(tiny_model("llama").to(torch.float16), lora_config())
     assert {p.dtype for n, p in ref.named_parameters() if "lora_" in n} == {torch.float32}
     model, report = patched_pair(ref, fused_lora=True, **OTHER_SWITCHES)
