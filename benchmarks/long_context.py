@@ -7,8 +7,9 @@ every linear layer, HF gradient checkpointing (non-reentrant unless --reentrant)
 No autocast by default: PEFT's adapters are fp32 (its default) on the bf16 base, and PEFT (with foak following its
 arithmetic) sums their fp32 products into the bf16 outputs, while Unsloth casts its adapters to bf16; ``--autocast``
 runs every step under torch.autocast(bf16), as HF's Trainer(bf16=True) does, where every framework's adapter GEMMs
-are bf16. ``--lowrank-cuda``: foak forms those fp32 products with foak.ops.lowrank's kernels (no fp32 copies; off on
-CUDA by default until their GPU check). ``--profile`` adds one profiled step per run (its top kernels in the record).
+are bf16. foak forms those fp32 products with foak.ops.lowrank's kernels (no fp32 copies); ``--torch-lowrank``
+takes torch's fp32-copy path instead (foak.ops.lowrank.USE["cuda"] = False). ``--profile`` adds one profiled step
+per run (its top kernels in the record).
 
     python benchmarks/long_context.py --out $OUT --lengths 131072 196608 --frameworks foak liger
     python benchmarks/long_context.py --cpu-smoke            # tiny dims on CPU: the code path only
@@ -145,7 +146,7 @@ def measure(model, framework: str, length: int, ids, smoke: bool, warmup: int, q
 
 PROFILE = False  # --profile: one more step under torch.profiler after the timed one
 AUTOCAST = False  # --autocast: every step under torch.autocast(bf16), as HF's Trainer(bf16=True) runs it
-LOWRANK_CUDA = False  # --lowrank-cuda: foak's LoRA ops take foak.ops.lowrank's kernels on CUDA (fp32 adapters)
+LOWRANK_CUDA = True  # foak's LoRA ops take foak.ops.lowrank's kernels on CUDA (fp32 adapters); --torch-lowrank: not
 
 
 def profile_step(step, top: int = 30) -> list[dict]:
@@ -189,7 +190,9 @@ def one_run(framework: str, length: int, reentrant: bool, smoke: bool, budget_gi
     if base in ("foak", "foak-offload", "foak-tiled", "foak-long"):
         import foak
         from foak.api import default_config
+        from foak.ops import lowrank
 
+        lowrank.USE["cuda"] = LOWRANK_CUDA
         # foak-offload: + offload_activations; foak-tiled: + tiled_mlp (chunks of the hidden size); foak-long: both
         extra = {}
         if base in ("foak-offload", "foak-long"):
@@ -522,9 +525,10 @@ def main() -> None:
     parser.add_argument("--autocast", action="store_true",
                         help="every step under torch.autocast(bf16), as HF's Trainer(bf16=True) runs its forward "
                              "(PEFT's fp32 adapters then compute in bf16)")
-    parser.add_argument("--lowrank-cuda", action="store_true",
-                        help="foak's LoRA ops form fp32 adapter products with foak.ops.lowrank's kernels on CUDA too "
-                             "(off there by default until benchmarks/lowrank.py has checked them on a GPU)")
+    parser.add_argument("--torch-lowrank", action="store_true",
+                        help="foak's LoRA ops form fp32 adapter products on CUDA through torch's fp32-copy path, not "
+                             "foak.ops.lowrank's kernels (the default)")
+    parser.add_argument("--lowrank-cuda", action="store_true", help=argparse.SUPPRESS)  # the default now (old queues)
     parser.add_argument("--profile", action="store_true",
                         help="GPU: one more step under torch.profiler; its top kernels go into the record")
     parser.add_argument("--warmup-steps", type=int, default=0, help="untimed steps before the measured one")
@@ -544,11 +548,7 @@ def main() -> None:
     parser.add_argument("--loss-length", type=int, default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
     global PROFILE, AUTOCAST, LOWRANK_CUDA
-    PROFILE, AUTOCAST, LOWRANK_CUDA = args.profile, args.autocast, args.lowrank_cuda
-    if LOWRANK_CUDA:
-        from foak.ops import lowrank
-
-        lowrank.USE["cuda"] = True
+    PROFILE, AUTOCAST, LOWRANK_CUDA = args.profile, args.autocast, not args.torch_lowrank
     if args.pinned_register:
         os.environ["FOAK_BENCH_PINNED_REGISTER"] = "1"
     if args.pin_probe is not None:
@@ -608,7 +608,7 @@ def main() -> None:
             command += ["--reentrant"] * args.reentrant + ["--cpu-smoke"] * args.cpu_smoke + ["--qlora"] * args.qlora
             command += ["--warmup-steps", str(args.warmup_steps)]
             command += ["--profile"] * args.profile + ["--autocast"] * args.autocast
-            command += ["--lowrank-cuda"] * args.lowrank_cuda
+            command += ["--torch-lowrank"] * args.torch_lowrank
             if args.offload_budget_gib is not None:
                 command += ["--offload-budget-gib", str(args.offload_budget_gib)]
             if framework in UNSLOTH_FRAMEWORKS:

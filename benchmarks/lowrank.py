@@ -92,7 +92,7 @@ def main() -> int:
     args = parser.parse_args()
     device, m, r = torch.device(args.device), args.tokens, args.rank
     cuda = device.type == "cuda"
-    lowrank_mod.USE[device.type] = True  # the LoRA ops take the kernels (off on CUDA by default until this check)
+    lowrank_mod.USE[device.type] = True  # the LoRA ops take the kernels (whatever the default)
     if not cuda:
         install_interpreter_compat()  # bf16 rounding in the interpreter (the tests' layer)
     scale = 1 / 64 if not cuda else 1  # CPU smoke: small shapes

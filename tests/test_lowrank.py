@@ -163,8 +163,7 @@ def _check_against_peft_and_fp64(got, peft, exact):
 
 @pytest.fixture(params=["lowrank", "torch"])
 def path(request, monkeypatch):
-    """foak.ops.lowrank's kernels, or torch's fp32-copy path (where lowrank.USE leaves them off: CUDA until their
-    GPU check)."""
+    """foak.ops.lowrank's kernels, or torch's fp32-copy path (where lowrank.USE turns them off)."""
     monkeypatch.setitem(lowrank_mod.USE, "cpu", request.param == "lowrank")
     return request.param
 

@@ -45,9 +45,8 @@ from foak.ops._philox_mask import drop_threshold, keep_mask_tile
 TUNING = {"rows": 64, "cols": 64, "ranks": 64, "warps": 4, "programs": 1024, "split": True}
 SIXTEEN_BIT = (torch.bfloat16, torch.float16)
 # Device types on which foak.ops.lora takes these kernels for fp32 adapters on 16-bit activations (else torch's
-# fp32-copy path): CUDA once benchmarks/lowrank.py has checked them on a GPU. Set USE["cuda"] = True to use them
-# there before that.
-USE = {"cpu": True, "cuda": False}
+# fp32-copy path). CUDA: checked by benchmarks/lowrank.py on an H100 (benchmarks/results/h100_2026-12-07b/).
+USE = {"cpu": True, "cuda": True}
 
 
 # 1. reference -------------------------------------------------------------------------------------
