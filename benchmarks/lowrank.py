@@ -6,7 +6,7 @@ lowrank kernels (the adapter's fp32 products read the bf16 operands in place) vs
     TRITON_INTERPRET=1 python3 benchmarks/lowrank.py --device cpu --tokens 70 --out /tmp/x   # CPU smoke
 
 Checks (relative error vs fp64 math): each kernel on its own; one projection's forward and backward (output, dx,
-dA, dB) for foak, foak's torch path and PEFT. Times: CUDA-event medians of each product, and of a projection's
+dA, dB) for foak, foak's torch path and PEFT, on a bf16 and on an fp16 base; LoRA dropout's masks. Times: CUDA-event medians of each product, and of a projection's
 forward + backward (o: 4096->4096, k: 4096->1024, gate: 4096->14336, down: 14336->4096). Writes DIR/lowrank.json.
 """
 
@@ -55,12 +55,12 @@ def torch_path():
         lowrank_mod.USE.update(saved)
 
 
-def peft_layer(n_in, n_out, r, device, adapter_dtype):
+def peft_layer(n_in, n_out, r, device, adapter_dtype, base_dtype=torch.bfloat16):
     import peft
     from torch import nn
 
     torch.manual_seed(0)
-    base = nn.Sequential(nn.Linear(n_in, n_out, bias=False, dtype=torch.bfloat16)).to(device)
+    base = nn.Sequential(nn.Linear(n_in, n_out, bias=False, dtype=base_dtype)).to(device)
     model = peft.get_peft_model(base, peft.LoraConfig(r=r, lora_alpha=2 * r, target_modules=["0"],
                                                       init_lora_weights=False), autocast_adapter_dtype=False)
     layer = model.base_model.model[0]
@@ -156,6 +156,20 @@ def main() -> int:
             if rel(v, e) > tol:
                 failures.append(f"{name} dropout {n}: {rel(v, e):.2e} from foak's torch path (> {tol})")
         got = ref = None
+        # an fp16 base (the kernels' FMA dots: fp16 operands are not split): foak vs PEFT, each vs fp64
+        layer_h = peft_layer(n_in, n_out, r, device, torch.float32, torch.float16)
+        leaves_h = [layer_h.lora_A["default"].weight, layer_h.lora_B["default"].weight]
+        exact_h = fwd_bwd(lambda t_: torch.nn.functional.linear(t_, layer_h.base_layer.weight.double())
+                          + layer_h.scaling["default"] * (t_ @ leaves_h[0].double().t()) @ leaves_h[1].double().t(),
+                          x.double(), dy.double(), leaves_h)()
+        got_h = {"foak": fwd_bwd(lambda t_: lora_linear(t_, *args_of(layer_h)), x.half(), dy.half(), leaves_h)(),
+                 "peft": fwd_bwd(layer_h, x.half(), dy.half(), leaves_h)()}
+        for n, i in zip(("out", "dx", "dA", "dB"), range(4)):
+            foak_err, peft_err = (rel(got_h[v][i], exact_h[i]) for v in ("foak", "peft"))
+            checks[f"fp16_foak_{n}"], checks[f"fp16_peft_{n}"] = foak_err, peft_err
+            if foak_err > 2 * peft_err + 1e-6:
+                failures.append(f"{name} fp16 base {n}: {foak_err:.2e} vs PEFT {peft_err:.2e}")
+        layer_h = leaves_h = exact_h = got_h = None
         for k in ("add", "fma_add"):
             if checks[k] > 1.05 * checks["add_torch"]:
                 failures.append(f"{name} {k}: {checks[k]:.2e} vs torch's {checks['add_torch']:.2e}")
