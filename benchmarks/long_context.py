@@ -125,7 +125,8 @@ def measure(model, framework: str, length: int, ids, smoke: bool, warmup: int, q
         torch.cuda.synchronize()
     seconds = time.perf_counter() - start
     record = {"framework": framework, "length": length, "reentrant": reentrant, "warmup_steps": warmup,
-              "base": "nf4" if qlora else "bf16", "autocast": AUTOCAST, "lowrank_cuda": LOWRANK_CUDA,
+              "base": "nf4" if qlora else "bf16", "autocast": AUTOCAST,
+              "lowrank_cuda": LOWRANK_CUDA if framework.startswith("foak") else None,  # foak's kernels only
               "loss": float(loss.detach()),
               "step_s": seconds, "tokens_per_s": length / seconds}
     if not smoke:
