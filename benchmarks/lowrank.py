@@ -6,8 +6,8 @@ lowrank kernels (the adapter's fp32 products read the bf16 operands in place) vs
     TRITON_INTERPRET=1 python3 benchmarks/lowrank.py --device cpu --tokens 70 --out /tmp/x   # CPU smoke
 
 Checks (relative error vs fp64 math): each kernel on its own; one projection's forward and backward (output, dx,
-dA, dB) for foak, foak's torch path and PEFT, on a bf16 and on an fp16 base; LoRA dropout's masks. Times: CUDA-event medians of each product, and of a projection's
-forward + backward (o: 4096->4096, k: 4096->1024, gate: 4096->14336, down: 14336->4096). Writes DIR/lowrank.json.
+dA, dB) for foak, foak's torch path and PEFT, on a bf16 and on an fp16 base; LoRA dropout's masks. Times: CUDA-event
+medians of each product, and of a projection's forward + backward (o: 4096->4096, k: 4096->1024, gate: 4096->14336, down: 14336->4096). Writes DIR/lowrank.json.
 """
 
 from __future__ import annotations
@@ -70,8 +70,19 @@ def peft_layer(n_in, n_out, r, device, adapter_dtype, base_dtype=torch.bfloat16)
 
 
 def args_of(layer):
-    return (layer.base_layer.weight, None, layer.lora_A["default"].weight, layer.lora_B["default"].weight,
-            layer.scaling["default"])
+    return (layer.base_layer.weight, None, *adapters(layer), layer.scaling["default"])
+
+
+def adapters(layer):
+    return [layer.lora_A["default"].weight, layer.lora_B["default"].weight]
+
+
+def exact_fwd_bwd(layer, x, dy):
+    """The layer's forward and backward (out, dx, dA, dB) in fp64 math."""
+    a, b = adapters(layer)
+    return fwd_bwd(lambda t: torch.nn.functional.linear(t, layer.base_layer.weight.double())
+                   + layer.scaling["default"] * (t @ a.double().t()) @ b.double().t(), x.double(), dy.double(),
+                   [a, b])()
 
 
 def fwd_bwd(fn, x, dy, leaves):
@@ -120,10 +131,8 @@ def main() -> int:
         }
         # the projection: foak (lowrank), foak's torch path, PEFT; each vs the fp64 copy of the layer
         layer = peft_layer(n_in, n_out, r, device, torch.float32)
-        leaves = [layer.lora_A["default"].weight, layer.lora_B["default"].weight]
-        exact = fwd_bwd(lambda t: torch.nn.functional.linear(t, layer.base_layer.weight.double())
-                        + layer.scaling["default"] * (t @ leaves[0].double().t()) @ leaves[1].double().t(),
-                        x.double(), dy.double(), leaves)()
+        leaves = adapters(layer)
+        exact = exact_fwd_bwd(layer, x, dy)
         variants = {"foak": fwd_bwd(lambda t: lora_linear(t, *args_of(layer)), x, dy, leaves),
                     "peft": fwd_bwd(layer, x, dy, leaves)}
         results = {"foak": variants["foak"]()}
@@ -152,24 +161,20 @@ def main() -> int:
                 return fwd_bwd(lambda t_: lora_linear(t_, *args_of(layer), dropout_p=0.1), x, dy, leaves)()
         got, ref = with_dropout(contextlib.nullcontext()), with_dropout(torch_path())
         for n, v, e, tol in zip(("out", "dx", "dA", "dB"), got, ref, (1e-2, 1e-2, 1e-4, 1e-4)):
-            checks[f"dropout_{n}_vs_torch_path"] = rel(v, e)
-            if rel(v, e) > tol:
-                failures.append(f"{name} dropout {n}: {rel(v, e):.2e} from foak's torch path (> {tol})")
+            checks[f"dropout_{n}_vs_torch_path"] = err = rel(v, e)
+            if err > tol:
+                failures.append(f"{name} dropout {n}: {err:.2e} from foak's torch path (> {tol})")
         got = ref = None
         # an fp16 base (the kernels' FMA dots: fp16 operands are not split): foak vs PEFT, each vs fp64
         layer_h = peft_layer(n_in, n_out, r, device, torch.float32, torch.float16)
-        leaves_h = [layer_h.lora_A["default"].weight, layer_h.lora_B["default"].weight]
-        exact_h = fwd_bwd(lambda t_: torch.nn.functional.linear(t_, layer_h.base_layer.weight.double())
-                          + layer_h.scaling["default"] * (t_ @ leaves_h[0].double().t()) @ leaves_h[1].double().t(),
-                          x.double(), dy.double(), leaves_h)()
-        got_h = {"foak": fwd_bwd(lambda t_: lora_linear(t_, *args_of(layer_h)), x.half(), dy.half(), leaves_h)(),
-                 "peft": fwd_bwd(layer_h, x.half(), dy.half(), leaves_h)()}
-        for n, i in zip(("out", "dx", "dA", "dB"), range(4)):
-            foak_err, peft_err = (rel(got_h[v][i], exact_h[i]) for v in ("foak", "peft"))
-            checks[f"fp16_foak_{n}"], checks[f"fp16_peft_{n}"] = foak_err, peft_err
+        exact_h = exact_fwd_bwd(layer_h, x, dy)
+        foak_h = fwd_bwd(lambda t_: lora_linear(t_, *args_of(layer_h)), x.half(), dy.half(), adapters(layer_h))()
+        peft_h = fwd_bwd(layer_h, x.half(), dy.half(), adapters(layer_h))()
+        for n, f, p, e in zip(("out", "dx", "dA", "dB"), foak_h, peft_h, exact_h):
+            checks[f"fp16_foak_{n}"], checks[f"fp16_peft_{n}"] = foak_err, peft_err = rel(f, e), rel(p, e)
             if foak_err > 2 * peft_err + 1e-6:
                 failures.append(f"{name} fp16 base {n}: {foak_err:.2e} vs PEFT {peft_err:.2e}")
-        layer_h = leaves_h = exact_h = got_h = None
+        layer_h = exact_h = foak_h = peft_h = None
         for k in ("add", "fma_add"):
             if checks[k] > 1.05 * checks["add_torch"]:
                 failures.append(f"{name} {k}: {checks[k]:.2e} vs torch's {checks['add_torch']:.2e}")
@@ -202,7 +207,7 @@ def main() -> int:
             t["proj foak-torch-path p0.1"] = time(dropped)
         layer16 = peft_layer(n_in, n_out, r, device, torch.bfloat16)
         t["proj foak bf16 adapters"] = time(fwd_bwd(lambda t_: lora_linear(t_, *args_of(layer16)), x, dy,
-                                                    [layer16.lora_A["default"].weight, layer16.lora_B["default"].weight]))
+                                                    adapters(layer16)))
         rows.append({"shape": name, "in": n_in, "out": n_out, "tokens": m, "rank": r, "checks": checks, "ms": t})
         layer = layer16 = variants = results = exact = None  # free before the next shape
         if cuda:
